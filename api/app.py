@@ -1,0 +1,168 @@
+"""The app factory and its lifespan: preload, warm up, report ready, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api import __version__
+from api.auth import ApiKeyGuard
+from api.batching import Batcher, BatchLimits, BatchStats
+from api.body_limit import BodySizeLimit
+from api.cache import ResultCache
+from api.classify import ModelRunner
+from api.errors import install_error_handlers
+from api.metrics import Metrics
+from api.models.predictor import Scores
+from api.models.registry import Registry, ServedModel
+from api.models.spec import ModelSpec, load_models_file
+from api.observe import RequestMetrics
+from api.routes import router
+from api.settings import Settings
+from api.state import Phase, ServiceState
+
+logger = logging.getLogger(__name__)
+
+FatalHandler = Callable[[BaseException], None]
+
+
+def create_app(
+    settings: Settings,
+    specs: list[ModelSpec] | None = None,
+    on_fatal: FatalHandler | None = None,
+) -> FastAPI:
+    """Builds the app; models load in the background once it starts (see /ready).
+
+    `on_fatal` is called when a model fails to load; the CLI uses it to stop the server
+    with a non-zero exit.
+    """
+    if specs is None:
+        specs = load_models_file(settings.models_file, settings.adapter_dirs)
+    metrics = Metrics(settings.latency_target_seconds)
+    registry = Registry(specs, settings, warmup_rows=settings.max_batch_size)
+    state = ServiceState(settings=settings, registry=registry, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.cache = ResultCache(
+            metrics,
+            settings.lru_cache_entries,
+            settings.disk_cache_dir,
+            settings.disk_cache_max_bytes,
+            settings.disk_cache_ttl_seconds,
+        )
+        executors: dict[str, ThreadPoolExecutor] = {}
+        loading = asyncio.create_task(_load(state, executors, on_fatal))
+        try:
+            yield
+        finally:
+            if state.phase is not Phase.FAILED:
+                state.phase = Phase.DRAINING
+            metrics.ready.set(0)
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            await asyncio.gather(*(r.batcher.stop() for r in state.runners.values()))
+            for executor in executors.values():
+                executor.shutdown(wait=True)
+            state.cache.close()
+
+    app = FastAPI(
+        title="loraserve",
+        version=__version__,
+        description="Text classification with LoRA adapters (text-embeddings-inference API).",
+        lifespan=lifespan,
+    )
+    app.state.service = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # Added last = runs first: metrics see every answer, 401s and 413s included.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key.get_secret_value())
+    app.add_middleware(RequestMetrics, state=state)
+    return app
+
+
+async def _load(
+    state: ServiceState,
+    executors: dict[str, ThreadPoolExecutor],
+    on_fatal: FatalHandler | None,
+) -> None:
+    try:
+        await asyncio.to_thread(state.registry.load_all)
+    except Exception as exc:
+        state.phase, state.error = Phase.FAILED, str(exc)
+        logger.error("start-up failed: %s", exc)
+        if on_fatal is not None:
+            on_fatal(exc)
+        return
+    slots: dict[str, asyncio.Semaphore] = {}
+    for served in state.registry.in_order():
+        device = str(served.loaded.device)
+        # One worker thread and one slot per device: one batch at a time on each device.
+        executor = executors.setdefault(
+            device, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{device}")
+        )
+        slot = slots.setdefault(device, asyncio.Semaphore(1))
+        state.runners[served.name] = ModelRunner(served, _batcher(state, served, executor, slot))
+        _report_model(state.metrics, served)
+    if state.phase is Phase.LOADING:
+        state.phase = Phase.READY
+        state.metrics.ready.set(1)
+        logger.info("ready: %s", ", ".join(state.registry.models))
+
+
+def _batcher(
+    state: ServiceState,
+    served: ServedModel,
+    executor: ThreadPoolExecutor,
+    slot: asyncio.Semaphore,
+) -> Batcher[Scores]:
+    settings, metrics, name = state.settings, state.metrics, served.name
+
+    def on_batch(stats: BatchStats) -> None:
+        metrics.batch_size.labels(name).observe(stats.rows)
+        metrics.batch_tokens.labels(name).observe(stats.padded_tokens)
+        metrics.batch_inference_seconds.labels(name).observe(stats.run_seconds)
+        for seconds in stats.queue_seconds:
+            metrics.queue_wait_seconds.labels(name).observe(seconds)
+
+    limits = BatchLimits(
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_wait_seconds=settings.max_batch_wait_seconds,
+        max_queue_requests=settings.max_queue_size,
+    )
+    batcher: Batcher[Scores] = Batcher(
+        served.predictor.forward,
+        limits,
+        executor,
+        device_slot=slot,
+        on_batch=on_batch,
+        on_drop=lambda reason: metrics.batch_dropped.labels(name, reason).inc(),
+    )
+    metrics.queue_depth.labels(name).set_function(lambda: batcher.queued_rows)
+    batcher.start()
+    return batcher
+
+
+def _report_model(metrics: Metrics, served: ServedModel) -> None:
+    loaded, spec = served.loaded, served.loaded.spec
+    for phase, seconds in loaded.phases.items():
+        metrics.model_load_seconds.labels(spec.name, phase).set(seconds)
+    metrics.model_weight_bytes.labels(spec.name).set(loaded.weight_bytes)
+    for adapter in loaded.adapters or ["none"]:
+        metrics.model_info.labels(
+            spec.name,
+            spec.base,
+            loaded.revision or "",
+            adapter,
+            spec.quantization,
+            loaded.dtype,
+            str(loaded.device),
+        ).set(1)

@@ -1,0 +1,46 @@
+"""Optional API key: every path but an explicit allow-list needs `Authorization: Bearer`."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+# Probes and scrapers carry no key: these answer without one, and hold nothing secret.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ApiKeyGuard:
+    """Refuses requests without the key with 401 and `WWW-Authenticate: Bearer`.
+
+    A middleware rather than a route dependency, so a route added later cannot forget it.
+    The key is compared in constant time and never written to logs or error bodies.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing API key" if not given else "wrong API key"
+        body = json.dumps({"error": {"code": "unauthorized", "message": reason}}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,304 @@
+"""The dynamic batcher: many small requests become few forward passes, one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
+PredictBatch = Callable[[list[list[int]], list[str | None]], Sequence[Result]]
+
+
+class QueueFull(Exception):
+    """The model's queue holds its maximum of requests."""
+
+
+class DeadlineExceeded(Exception):
+    """A request waited past its deadline; its rows were dropped unrun."""
+
+
+class BatchFailed(Exception):
+    """The forward pass of the batch holding this request failed."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """When a batch is flushed: full by texts or tokens (padding counted), or waited enough."""
+
+    max_batch_size: int = 32
+    max_batch_tokens: int = 8192
+    max_wait_seconds: float = 0.002
+    max_queue_requests: int = 256
+
+
+@dataclass
+class BatchStats:
+    """What one run reported, for metrics."""
+
+    rows: int
+    padded_tokens: int
+    queue_seconds: list[float]
+    run_seconds: float
+
+
+@dataclass(eq=False)
+class _Row(Generic[Result]):
+    """One text to score; requests sending the same text share one row."""
+
+    key: Hashable
+    ids: list[int]
+    adapter: str | None
+    future: asyncio.Future[Result]
+    enqueued: float
+    deadline: float
+    waiters: int = 0
+    started: bool = False
+
+
+@dataclass
+class _Batch(Generic[Result]):
+    rows: list[_Row[Result]] = field(default_factory=list)
+    longest: int = 0
+
+    def padded_tokens(self, extra: int = 0) -> int:
+        return (len(self.rows) + (1 if extra else 0)) * max(self.longest, extra)
+
+
+Observer = Callable[[BatchStats], None]
+
+
+class Batcher(Generic[Result]):
+    """Collects rows for one model and runs them through `predict_batch` in batches.
+
+    It knows nothing of models: `predict_batch(rows, adapters)` may be any callable, which is
+    how it is tested with a fake. Every batch runs in `executor`; batchers sharing a device
+    share `device_slot`, so one batch at a time runs on each device. While a batch runs, new
+    requests queue up and form the next batch, which grows with the load.
+    """
+
+    def __init__(
+        self,
+        predict_batch: PredictBatch[Result],
+        limits: BatchLimits,
+        executor: Executor,
+        device_slot: asyncio.Semaphore | None = None,
+        is_out_of_memory: Callable[[BaseException], bool] | None = None,
+        on_batch: Observer | None = None,
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
+        self._predict = predict_batch
+        self.limits = limits
+        self._executor = executor
+        self._slot = device_slot or asyncio.Semaphore(1)
+        self._is_oom = is_out_of_memory or _looks_like_oom
+        self._on_batch = on_batch
+        self._on_drop = on_drop
+        self._pending: list[_Row[Result]] = []
+        self._inflight: dict[Hashable, _Row[Result]] = {}
+        self._arrived = asyncio.Event()
+        self._requests = 0
+        self._collector: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows waiting for a batch."""
+        return len(self._pending)
+
+    @property
+    def requests(self) -> int:
+        """Requests admitted and not yet answered."""
+        return self._requests
+
+    def start(self) -> None:
+        """Starts the collector task on the running loop."""
+        if self._collector is None:
+            self._collector = asyncio.create_task(self._collect(), name="batcher")
+
+    async def stop(self) -> None:
+        """Stops collecting; rows still pending fail, running batches finish."""
+        if self._collector is not None:
+            self._collector.cancel()
+            await asyncio.gather(self._collector, return_exceptions=True)
+            self._collector = None
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        for row in self._pending:
+            if not row.future.done():
+                row.future.set_exception(BatchFailed("service stopped"))
+        self._pending.clear()
+
+    async def submit(
+        self, rows: list[list[int]], adapters: list[str | None], timeout: float
+    ) -> list[Result]:
+        """Queues the rows and waits for their results, at most `timeout` seconds."""
+        if self._requests >= self.limits.max_queue_requests:
+            raise QueueFull(f"{self._requests} requests queued")
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        mine: list[_Row[Result]] = []
+        for ids, adapter in zip(rows, adapters, strict=True):
+            key = (adapter, tuple(ids))
+            row = self._inflight.get(key)
+            if row is None or row.future.done():
+                row = _Row(key, ids, adapter, loop.create_future(), now, now + timeout)
+                row.future.add_done_callback(_retrieve)
+                self._inflight[key] = row
+                self._pending.append(row)
+            else:  # the same text is queued or running: wait for that one
+                row.deadline = max(row.deadline, now + timeout)
+            row.waiters += 1
+            mine.append(row)
+        self._requests += 1
+        self._arrived.set()
+        try:
+            # asyncio.wait never cancels the rows: others may be waiting for the same ones.
+            _, late = await asyncio.wait([row.future for row in mine], timeout=timeout)
+            if late:
+                raise DeadlineExceeded(f"no answer within {timeout:.3g} s")
+            return [row.future.result() for row in mine]
+        finally:
+            self._requests -= 1
+            for row in mine:
+                row.waiters -= 1
+
+    async def _collect(self) -> None:
+        while True:
+            while not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+            await self._slot.acquire()
+            try:
+                await self._wait_until_flush()
+                batch = self._take_batch()
+            except BaseException:
+                self._slot.release()
+                raise
+            if not batch.rows:
+                self._slot.release()
+                continue
+            task = asyncio.create_task(self._run(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _wait_until_flush(self) -> None:
+        """Returns once the pending rows fill a batch or the oldest has waited enough."""
+        while self._pending and not self._full():
+            left = self._pending[0].enqueued + self.limits.max_wait_seconds - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
+
+    def _full(self) -> bool:
+        if len(self._pending) >= self.limits.max_batch_size:
+            return True
+        longest = max(len(row.ids) for row in self._pending)
+        return len(self._pending) * longest >= self.limits.max_batch_tokens
+
+    def _take_batch(self) -> _Batch[Result]:
+        """The oldest live row, then the rows closest to it in length, within the limits."""
+        now = time.monotonic()
+        live: list[_Row[Result]] = []
+        for row in self._pending:
+            if row.waiters <= 0 or row.future.done():
+                self._forget(row, "cancelled")
+            elif row.deadline <= now:
+                self._forget(row, "deadline")
+            else:
+                live.append(row)
+        batch: _Batch[Result] = _Batch()
+        if not live:
+            self._pending = []
+            return batch
+        anchor = live[0]
+        by_closeness = sorted(live[1:], key=lambda r: abs(len(r.ids) - len(anchor.ids)))
+        for row in [anchor, *by_closeness]:
+            if batch.rows and (
+                len(batch.rows) >= self.limits.max_batch_size
+                or batch.padded_tokens(len(row.ids)) > self.limits.max_batch_tokens
+            ):
+                continue
+            batch.rows.append(row)
+            batch.longest = max(batch.longest, len(row.ids))
+        taken = set(map(id, batch.rows))
+        self._pending = [row for row in live if id(row) not in taken]
+        for row in batch.rows:
+            row.started = True
+        return batch
+
+    def _forget(self, row: _Row[Result], reason: str) -> None:
+        if not row.future.done():
+            if reason == "deadline":  # a waiter may still be there: tell it why
+                row.future.set_exception(DeadlineExceeded("dropped unrun past its deadline"))
+            else:
+                row.future.cancel()
+        if self._inflight.get(row.key) is row:
+            del self._inflight[row.key]
+        if self._on_drop is not None:
+            self._on_drop(reason)
+
+    async def _run(self, batch: _Batch[Result]) -> None:
+        try:
+            started = time.monotonic()
+            await self._run_rows(batch.rows)
+            if self._on_batch is not None:
+                self._on_batch(
+                    BatchStats(
+                        rows=len(batch.rows),
+                        padded_tokens=batch.padded_tokens(),
+                        queue_seconds=[started - row.enqueued for row in batch.rows],
+                        run_seconds=time.monotonic() - started,
+                    )
+                )
+        finally:
+            for row in batch.rows:
+                if self._inflight.get(row.key) is row:
+                    del self._inflight[row.key]
+            self._slot.release()
+
+    async def _run_rows(self, rows: list[_Row[Result]]) -> None:
+        """Runs rows in the executor; on out-of-memory, halves the batch and tries again."""
+        loop = asyncio.get_running_loop()
+        ids = [row.ids for row in rows]
+        adapters = [row.adapter for row in rows]
+        try:
+            results = await loop.run_in_executor(self._executor, self._predict, ids, adapters)
+            if len(results) != len(rows):
+                raise BatchFailed(f"predictor returned {len(results)} results for {len(rows)}")
+        except Exception as exc:
+            if self._is_oom(exc) and len(rows) > 1:
+                logger.warning("out of memory on a batch of %d; splitting it", len(rows))
+                half = len(rows) // 2
+                await self._run_rows(rows[:half])
+                await self._run_rows(rows[half:])
+                return
+            logger.error("batch of %d failed: %s", len(rows), exc)
+            for row in rows:
+                if not row.future.done():
+                    row.future.set_exception(BatchFailed(str(exc) or type(exc).__name__))
+            return
+        for row, result in zip(rows, results, strict=True):
+            if not row.future.done():
+                row.future.set_result(result)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Marks a row's exception as seen: its waiters may all have gone before it failed."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _looks_like_oom(exc: BaseException) -> bool:
+    """torch raises OutOfMemoryError on CUDA and a RuntimeError naming it on CPU."""
+    return "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower()

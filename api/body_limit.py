@@ -1,0 +1,74 @@
+"""An ASGI middleware that refuses bodies over a byte limit, chunked ones included."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodySizeLimit:
+    """Reads the body up to `max_bytes` before the app sees it; past that, answers 413.
+
+    A Content-Length check alone is not enough: a chunked body carries no length.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the client's disconnect
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        payload = json.dumps(
+            {
+                "error": {
+                    "code": "payload_too_large",
+                    "message": f"request body over {self.max_bytes} bytes",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,119 @@
+"""The `loraserve` command: read settings, build the app, run uvicorn, exit with a status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+
+from api.app import create_app
+from api.models.spec import ModelsFileError, load_models_file
+from api.settings import Settings, SettingsError, load_settings
+from api.state import Phase, ServiceState
+
+EXIT_BAD_SETTINGS = 2
+EXIT_LOAD_FAILED = 1
+
+
+class Server(uvicorn.Server):
+    """uvicorn that drains on SIGTERM/SIGINT and then exits 0.
+
+    On the signal `/ready` and new requests answer 503 at once, while requests already
+    accepted finish (at most DRAIN_SECONDS); only then does uvicorn close its sockets. Plain
+    uvicorn stops accepting at once and re-raises the signal, so the process ends with 143.
+    """
+
+    service: ServiceState | None = None
+    load_error: BaseException | None = None
+    drain_seconds: float = 10.0
+    _drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit or self._drain is not None:
+            if sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C stops without waiting
+            self.should_exit = True
+            return
+        service = self.service
+        if service is None or service.phase is not Phase.READY:
+            self.should_exit = True
+            return
+        service.phase = Phase.DRAINING
+        service.metrics.ready.set(0)
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(self._start_drain, loop)
+
+    def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._drain = loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        assert self.service is not None
+        deadline = time.monotonic() + self.drain_seconds
+        while self.service.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def quiet_libraries() -> None:
+    """transformers' load reports and progress bars say nothing the service does not log."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def build_server(settings: Settings) -> Server:
+    """The configured server with its app; the models load once it runs."""
+    specs = load_models_file(settings.models_file, settings.adapter_dirs)
+    server: Server
+
+    def stop_on_failure(error: BaseException) -> None:
+        server.load_error = error
+        server.should_exit = True
+
+    app = create_app(settings, specs, on_fatal=stop_on_failure)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, round(settings.drain_seconds)),
+    )
+    server = Server(config)
+    server.service = app.state.service
+    server.drain_seconds = settings.drain_seconds
+    return server
+
+
+def main() -> int:
+    """Entry point of the console script."""
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"loraserve: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    quiet_libraries()
+    try:
+        server = build_server(settings)
+    except ModelsFileError as exc:
+        print(f"loraserve: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    server.run()
+    if server.load_error is not None:
+        print(f"loraserve: start-up failed: {server.load_error}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Errors that carry their HTTP answer, and the one place that writes them out."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+_MAX_DETAILS = 5
+
+
+class ServiceError(Exception):
+    """Base of every error a client can cause or meet; subclasses fix status and code."""
+
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class InvalidInput(ServiceError):
+    status_code = 422
+    code = "invalid_input"
+
+
+class BadRequest(ServiceError):
+    status_code = 400
+    code = "bad_request"
+
+
+class NotFound(ServiceError):
+    status_code = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+    code = "payload_too_large"
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+    code = "unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {"WWW-Authenticate": "Bearer"})
+
+
+class Overloaded(ServiceError):
+    status_code = 429
+    code = "overloaded"
+
+
+class Unavailable(ServiceError):
+    status_code = 503
+    code = "unavailable"
+
+
+class InferenceFailed(ServiceError):
+    status_code = 503
+    code = "inference_failed"
+
+
+class ClientGone(ServiceError):
+    """The client disconnected; nobody reads this answer (nginx's 499)."""
+
+    status_code = 499
+    code = "client_gone"
+
+
+class DeadlineExceeded(ServiceError):
+    status_code = 504
+    code = "deadline_exceeded"
+
+
+def error_response(
+    status_code: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The one error body: `{"error": {"code", "message"}}`."""
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status_code, headers=headers
+    )
+
+
+async def _service_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError)
+    if exc.status_code >= 500:
+        logger.warning("%s: %s", exc.code, exc.message)
+    return error_response(exc.status_code, exc.code, exc.message, exc.headers)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    # FastAPI's own handler echoes the input back (2 MB in, 2 MB out) and fails on lone
+    # surrogates; this one names where and what, never the value.
+    assert isinstance(exc, RequestValidationError)
+    details = []
+    for error in exc.errors()[:_MAX_DETAILS]:
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        details.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
+    return error_response(422, InvalidInput.code, "; ".join(details))
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = "not_found" if exc.status_code == 404 else f"http_{exc.status_code}"
+    return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(500, ServiceError.code, "internal error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Registers every handler, in one place."""
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,184 @@
+"""Every Prometheus metric of the service, declared once, in its own registry per app."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "loraserve"
+# Request latency buckets: fine below the 100 ms batch target, and one at the 2 s target.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+# Every refused request is counted under the reason its status code stands for.
+REJECTION_REASON_BY_STATUS = {
+    400: "invalid",
+    401: "unauthorized",
+    404: "not_found",
+    413: "too_large",
+    422: "invalid",
+    429: "queue_full",
+    503: "unavailable",
+    504: "deadline",
+}
+
+
+class GpuMemoryCollector(Collector):
+    """GPU memory per device from torch; yields nothing where CUDA is absent."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        allocated = GaugeMetricFamily(
+            f"{PREFIX}_gpu_memory_allocated_bytes", "GPU memory held by tensors", labels=["device"]
+        )
+        reserved = GaugeMetricFamily(
+            f"{PREFIX}_gpu_memory_reserved_bytes",
+            "GPU memory reserved by torch's caching allocator",
+            labels=["device"],
+        )
+        for index in range(torch.cuda.device_count()):
+            allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
+            reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
+        yield allocated
+        yield reserved
+
+
+class Metrics:
+    """The service's metrics. One instance per app, so tests can build many apps."""
+
+    def __init__(self, latency_target_seconds: float) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and more
+        PlatformCollector(registry=self.registry)
+        self.registry.register(GpuMemoryCollector())
+        r = self.registry
+        p = PREFIX
+
+        self.model_load_seconds = Gauge(
+            f"{p}_model_load_seconds",
+            "Seconds spent per load phase",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.model_info = Gauge(
+            f"{p}_model_info",
+            "Loaded model and adapter (value 1)",
+            ["model", "base", "revision", "adapter", "quantization", "dtype", "device"],
+            registry=r,
+        )
+        self.model_weight_bytes = Gauge(
+            f"{p}_model_weight_bytes", "Bytes of weights in memory", ["model"], registry=r
+        )
+        self.ready = Gauge(f"{p}_ready", "1 when every model is loaded and warm", registry=r)
+        self.latency_target_seconds = Gauge(
+            f"{p}_latency_target_seconds", "The response-time target", registry=r
+        )
+        self.latency_target_seconds.set(latency_target_seconds)
+
+        self.request_duration_seconds = Histogram(
+            f"{p}_request_duration_seconds",
+            "Time from request to response, at the server",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            f"{p}_requests", "Requests answered", ["route", "status"], registry=r
+        )
+        self.requests_over_target = Counter(
+            f"{p}_requests_over_target", "Requests slower than the target", ["route"], registry=r
+        )
+        self.requests_in_flight = Gauge(
+            f"{p}_requests_in_flight", "Requests being handled now", registry=r
+        )
+        self.rejections = Counter(
+            f"{p}_rejections", "Requests refused, by reason", ["reason"], registry=r
+        )
+        self.predictions = Counter(
+            f"{p}_predictions", "Texts classified (all tiers)", ["model", "adapter"], registry=r
+        )
+
+        self.queue_depth = Gauge(
+            f"{p}_queue_depth", "Texts waiting for a batch", ["model"], registry=r
+        )
+        self.queue_wait_seconds = Histogram(
+            f"{p}_queue_wait_seconds",
+            "Time a text waited before its batch ran",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_inference_seconds = Histogram(
+            f"{p}_batch_inference_seconds",
+            "Forward time of one batch",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            f"{p}_batch_size", "Texts per batch", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            f"{p}_batch_tokens",
+            "Tokens per batch, padding counted",
+            ["model"],
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_dropped = Counter(
+            f"{p}_batch_dropped", "Texts dropped unrun", ["model", "reason"], registry=r
+        )
+
+        self.cache_lookups = Counter(
+            f"{p}_cache_lookups", "Cache lookups", ["tier", "result"], registry=r
+        )
+        self.cache_errors = Counter(
+            f"{p}_cache_errors", "Cache faults served from the model", ["tier", "op"], registry=r
+        )
+        self.cache_entries = Gauge(f"{p}_cache_entries", "Entries held", ["tier"], registry=r)
+        self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held on disk", ["tier"], registry=r)
+
+        # Series that exist from the start, at 0, so rates and ratios are defined at once.
+        self.requests_over_target.labels("/predict")
+        for reason in set(REJECTION_REASON_BY_STATUS.values()):
+            self.rejections.labels(reason)
+
+
+# The names dashboards and alerts use; tests pin them so a rename cannot pass unnoticed.
+DASHBOARD_METRICS = (
+    "loraserve_model_load_seconds",
+    "loraserve_model_info",
+    "loraserve_model_weight_bytes",
+    "loraserve_ready",
+    "loraserve_latency_target_seconds",
+    "loraserve_request_duration_seconds_bucket",
+    "loraserve_request_duration_seconds_count",
+    "loraserve_requests_total",
+    "loraserve_requests_over_target_total",
+    "loraserve_requests_in_flight",
+    "loraserve_rejections_total",
+    "loraserve_predictions_total",
+    "loraserve_queue_depth",
+    "loraserve_queue_wait_seconds_bucket",
+    "loraserve_batch_inference_seconds_bucket",
+    "loraserve_batch_size_bucket",
+    "loraserve_batch_tokens_bucket",
+    "loraserve_cache_lookups_total",
+    "loraserve_cache_entries",
+    "loraserve_cache_bytes",
+    "process_resident_memory_bytes",
+)
+GPU_METRICS = ("loraserve_gpu_memory_allocated_bytes", "loraserve_gpu_memory_reserved_bytes")

@@ -1,0 +1,98 @@
+"""Classification with a loaded model: tokenize, forward with per-row adapters, score."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from api.models.loader import LoadedModel
+
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+class TextTooLong(ValueError):
+    """A text over the model's token limit when the client asked not to truncate."""
+
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"inputs[{index}] has {tokens} tokens, over the model's limit of {limit}; "
+            "send truncate=true to cut it"
+        )
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One text's result: probabilities and raw logits in class-index order."""
+
+    probabilities: tuple[float, ...]
+    logits: tuple[float, ...]
+
+
+class Predictor:
+    """Runs one loaded model. Not thread-safe: one batch at a time per model."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.labels = loaded.labels
+        self.max_length = loaded.spec.max_length
+        self._tokenizer = loaded.tokenizer
+        self._sigmoid = loaded.problem_type == "multi_label_classification"
+        self._active_adapter: str | None = None
+
+    def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
+        """Token ids of each text, cut to the model's max length (or refused if truncate)."""
+        encoded = self._tokenizer(
+            texts,
+            truncation=truncate,
+            max_length=self.max_length if truncate else None,
+            add_special_tokens=True,
+        )["input_ids"]
+        if not truncate:
+            for index, ids in enumerate(encoded):
+                if len(ids) > self.max_length:
+                    raise TextTooLong(index, len(ids), self.max_length)
+        return [list(ids) for ids in encoded]
+
+    @torch.inference_mode()
+    def forward(self, batch: list[list[int]], adapters: list[str | None]) -> list[Scores]:
+        """Scores a batch of token-id rows; `adapters[i]` names row i's adapter."""
+        inputs = self._tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
+        inputs = {name: tensor.to(self.loaded.device) for name, tensor in inputs.items()}
+        logits = self._model_logits(inputs, adapters).float()
+        probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)
+        return [
+            Scores(tuple(p), tuple(raw))
+            for p, raw in zip(probabilities.tolist(), logits.tolist(), strict=True)
+        ]
+
+    def predict(
+        self, texts: list[str], adapter: str | None = None, truncate: bool = True
+    ) -> list[Scores]:
+        """Encodes and scores texts with one adapter (the model's default when None)."""
+        return self.forward(self.encode(texts, truncate), [adapter] * len(texts))
+
+    def warm_up(self, rows: int) -> None:
+        """One forward at the largest shape served, so the first request pays no set-up."""
+        filler = self._tokenizer.convert_tokens_to_ids(self._tokenizer.unk_token or "a")
+        if not isinstance(filler, int):
+            filler = 0
+        row = [filler] * self.max_length
+        adapters: list[str | None] = [*self.loaded.adapters] or [None]
+        for adapter in adapters:
+            self.forward([row] * rows, [adapter] * rows)
+
+    def _model_logits(self, inputs: dict[str, Any], adapters: list[str | None]) -> torch.Tensor:
+        model: Any = self.loaded.model
+        default = self.loaded.spec.active_default_adapter
+        names = [name or default for name in adapters]
+        if not self.loaded.adapters or self.loaded.merged:
+            return model(**inputs).logits  # type: ignore[no-any-return]
+        if len(set(names)) == 1:
+            if names[0] != self._active_adapter:
+                model.set_adapter(names[0])
+                self._active_adapter = names[0]
+            return model(**inputs).logits  # type: ignore[no-any-return]
+        rows = [name or BASE_ADAPTER for name in names]
+        return model(**inputs, adapter_names=rows).logits  # type: ignore[no-any-return]

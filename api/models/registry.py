@@ -1,0 +1,135 @@
+"""The preloaded models by name, their load progress, and how requests pick one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from api.models.loader import LoadedModel, load_model, timed
+from api.models.predictor import Predictor
+from api.models.spec import ModelSpec
+from api.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownName(LookupError):
+    """A model or adapter name that is not loaded."""
+
+
+@dataclass
+class Progress:
+    """Where one model's load stands."""
+
+    state: str = "waiting"  # waiting, loading, warming, ready, failed
+    started: float | None = None
+    finished: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent so far (or in all, once finished)."""
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.perf_counter()) - self.started
+
+
+@dataclass
+class ServedModel:
+    """A loaded model with its predictor."""
+
+    loaded: LoadedModel
+    predictor: Predictor
+
+    @property
+    def name(self) -> str:
+        return self.loaded.spec.name
+
+    def fingerprint(self, adapter: str | None) -> str:
+        """What identifies this model's answers: base files plus the adapter's weights."""
+        adapter_digest = self.loaded.adapter_fingerprints.get(adapter or "", "no-adapter")
+        return f"{self.loaded.base_fingerprint}:{adapter or ''}:{adapter_digest}"
+
+
+@dataclass
+class Registry:
+    """Loads every declared model (in parallel) and hands them out by name."""
+
+    specs: list[ModelSpec]
+    settings: Settings
+    warmup_rows: int = 1
+    progress: dict[str, Progress] = field(init=False)
+    models: dict[str, ServedModel] = field(init=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.progress = {spec.name: Progress() for spec in self.specs}
+
+    @property
+    def ready(self) -> bool:
+        """Every declared model is loaded and warmed up."""
+        return len(self.models) == len(self.specs)
+
+    def load_all(self) -> None:
+        """Loads and warms every model; the first failure is raised once all have stopped."""
+        if self.settings.torch_num_threads is not None:
+            torch.set_num_threads(self.settings.torch_num_threads)
+        with ThreadPoolExecutor(max_workers=max(1, len(self.specs))) as pool:
+            futures = [pool.submit(self._load_one, spec) for spec in self.specs]
+            errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _load_one(self, spec: ModelSpec) -> None:
+        progress = self.progress[spec.name]
+        progress.state, progress.started = "loading", time.perf_counter()
+        try:
+            loaded = load_model(spec, self.settings)
+            predictor = Predictor(loaded)
+            if self.settings.warmup:
+                progress.state = "warming"
+                with timed(loaded.phases, "warmup"):
+                    predictor.warm_up(self.warmup_rows)
+        except BaseException:
+            progress.state, progress.finished = "failed", time.perf_counter()
+            raise
+        with self._lock:
+            self.models[spec.name] = ServedModel(loaded, predictor)
+        progress.state, progress.finished = "ready", time.perf_counter()
+        logger.info(
+            "model %s ready in %.2f s (%s)",
+            spec.name,
+            loaded.load_seconds,
+            ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in loaded.phases.items()),
+        )
+
+    def in_order(self) -> list[ServedModel]:
+        """The loaded models, in declaration order."""
+        return [self.models[spec.name] for spec in self.specs if spec.name in self.models]
+
+    def get(self, name: str | None) -> ServedModel:
+        """The named model, or the first declared one when no name is given."""
+        wanted = name or self.specs[0].name
+        served = self.models.get(wanted)
+        if served is None:
+            raise UnknownName(
+                f"model {wanted!r} is not served; models: {', '.join(s.name for s in self.specs)}"
+            )
+        return served
+
+    @staticmethod
+    def adapter_for(served: ServedModel, name: str | None) -> str | None:
+        """The adapter a request gets: the one named, else the model's default."""
+        if name is None:
+            return served.loaded.spec.active_default_adapter
+        if name not in served.loaded.adapters:
+            adapters = ", ".join(served.loaded.adapters) or "none"
+            raise UnknownName(
+                f"model {served.name!r} has no adapter {name!r}; adapters: {adapters}"
+            )
+        return name

@@ -1,0 +1,201 @@
+"""Model declarations: the readable YAML/JSON file that says which models to serve."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from api.settings import ADAPTER_DIR_SUFFIX
+
+ARTIFACTS_DIR = Path(__file__).resolve().parents[2] / "artifacts"
+EMBEDDED_MODELS_FILE = ARTIFACTS_DIR / "models.yaml"
+PACKAGE_SCHEME = "pkg:"
+
+Quantization = Literal["none", "int8", "nf4", "fp4", "dynamic-int8"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+LORA_PREFIX = "lora_"
+
+
+class AdapterSpec(BaseModel):
+    """A LoRA adapter folder (adapter_config.json + adapter_model.safetensors)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="Name clients select it by.")
+    path: Path = Field(description="Adapter folder; relative paths start at the models file.")
+    sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="Expected sha256 of its weights file."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_in_lora_prefix(cls, name: str) -> str:
+        # peft finds an adapter's tensors by name; one inside "lora_" ("a", "lo") matches
+        # every LoRA tensor and its weights are silently re-initialised.
+        if name in LORA_PREFIX:
+            raise ValueError(f"adapter name {name!r} is part of peft's prefix {LORA_PREFIX!r}")
+        return name
+
+
+class ModelSpec(BaseModel):
+    """One base model with its adapters and how to load it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="Name clients select it by.")
+    base: str = Field(
+        description="Local folder, hub id (from the HF cache), or pkg:<module>/<sub-folder>."
+    )
+    revision: str | None = Field(None, description="Hub revision (commit) to pin.")
+    task: Literal["text-classification"] = "text-classification"
+    quantization: Quantization = Field("none", description="none, int8, nf4, fp4, dynamic-int8.")
+    dtype: DType = Field("auto", description="Weight dtype; auto is float32 on CPU.")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="4-bit compute dtype; unset is bfloat16 on GPU, float32 on CPU."
+    )
+    labels: list[str] | None = Field(None, description="Labels in class-index order.")
+    max_length: int = Field(512, ge=1, le=32768, description="Tokens kept after truncation.")
+    trust_remote_code: bool = Field(False, description="Run the checkpoint's own model code.")
+    weights_sha256: dict[str, str] = Field(
+        default_factory=dict, description="Expected sha256 per weight file name."
+    )
+    adapters: list[AdapterSpec] = Field(default_factory=list)
+    default_adapter: str | None = Field(
+        None, description="Adapter used when a request names none; the first one if unset."
+    )
+
+    @model_validator(mode="after")
+    def _check_adapters(self) -> ModelSpec:
+        names = [adapter.name for adapter in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.name!r}: adapter names repeat: {names}")
+        if self.default_adapter is not None and self.default_adapter not in names:
+            raise ValueError(
+                f"model {self.name!r}: default_adapter {self.default_adapter!r} is not among "
+                f"its adapters {names}"
+            )
+        if self.labels is not None and len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"model {self.name!r}: labels repeat: {self.labels}")
+        return self
+
+    @property
+    def active_default_adapter(self) -> str | None:
+        """The adapter a request without one gets."""
+        if self.default_adapter is not None:
+            return self.default_adapter
+        return self.adapters[0].name if self.adapters else None
+
+
+class ModelsFile(BaseModel):
+    """The top level of a models file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelsFile:
+        names = [model.name for model in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names repeat: {names}")
+        return self
+
+
+class ModelsFileError(Exception):
+    """A models file that cannot be read or does not validate."""
+
+
+def adapter_env_name(model_name: str) -> str:
+    """`exaone-spam` -> `EXAONE_SPAM_ADAPTER_DIR`, the seed name for its adapter folder."""
+    return re.sub(r"[^A-Z0-9]", "_", model_name.upper()) + ADAPTER_DIR_SUFFIX
+
+
+def resolve_base(base: str, root: Path) -> str:
+    """Turns `pkg:` and relative bases into absolute folders; hub ids pass through."""
+    if base.startswith(PACKAGE_SCHEME):
+        module, _, sub = base[len(PACKAGE_SCHEME) :].partition("/")
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            raise ModelsFileError(
+                f"base {base!r}: Python package {module!r} is not installed "
+                "(see requirements/embedded-models.txt)"
+            )
+        return str(Path(next(iter(found.submodule_search_locations))) / sub)
+    candidate = Path(base).expanduser()
+    if not candidate.is_absolute() and (base.startswith(".") or (root / candidate).exists()):
+        candidate = root / candidate
+    if candidate.is_absolute():
+        return str(candidate.resolve())
+    return base
+
+
+def load_models_file(
+    path: Path | None, adapter_dirs: Mapping[str, str] | None = None
+) -> list[ModelSpec]:
+    """Reads and validates a models file, applying `<MODEL>_ADAPTER_DIR` overrides.
+
+    Relative paths are taken from the file's own folder, so a file travels with its artifacts.
+    """
+    path = path or EMBEDDED_MODELS_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        parsed = ModelsFile.model_validate(raw)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        reason = exc if not isinstance(exc, ValidationError) else _short(exc)
+        raise ModelsFileError(f"models file {path}: {reason}") from None
+    root = path.resolve().parent
+    specs = [_with_paths_resolved(spec, root) for spec in parsed.models]
+    return _apply_adapter_dirs(specs, dict(adapter_dirs or {}))
+
+
+def _short(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+    )
+
+
+def _with_paths_resolved(spec: ModelSpec, root: Path) -> ModelSpec:
+    adapters = [
+        adapter.model_copy(update={"path": (root / adapter.path).resolve()})
+        for adapter in spec.adapters
+    ]
+    return spec.model_copy(update={"base": resolve_base(spec.base, root), "adapters": adapters})
+
+
+def _apply_adapter_dirs(specs: list[ModelSpec], adapter_dirs: dict[str, str]) -> list[ModelSpec]:
+    by_env = {adapter_env_name(spec.name): spec for spec in specs}
+    unknown = sorted(set(adapter_dirs) - set(by_env))
+    if unknown:
+        raise ModelsFileError(
+            f"{', '.join(unknown)}: no declared model has this name "
+            f"(models: {', '.join(spec.name for spec in specs)})"
+        )
+    result = []
+    for env_name, spec in by_env.items():
+        folder = adapter_dirs.get(env_name)
+        if folder is None:
+            result.append(spec)
+            continue
+        target = spec.active_default_adapter or "default"
+        override = AdapterSpec(name=target, path=Path(folder).expanduser().resolve(), sha256=None)
+        # A new folder means new weights: a pinned digest of the old one no longer applies.
+        kept = [adapter for adapter in spec.adapters if adapter.name != target]
+        adapters = [override, *kept] if spec.default_adapter is None else [*kept, override]
+        result.append(spec.model_copy(update={"adapters": adapters}))
+    return result

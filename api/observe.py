@@ -1,0 +1,52 @@
+"""An ASGI middleware that times every request and counts it by route and status."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.metrics import REJECTION_REASON_BY_STATUS
+from api.state import ServiceState
+
+# Labels stay few: unknown paths (scanners, typos) are all "other".
+ROUTES = frozenset({"/predict", "/models", "/health", "/ready", "/info", "/metrics"})
+
+
+class RequestMetrics:
+    """Duration, status, in-flight and over-target counts for each HTTP request."""
+
+    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
+        self.app = app
+        self.state = state
+        self.metrics = state.metrics
+        self.target_seconds = state.settings.latency_target_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 500
+        started = time.perf_counter()
+
+        async def record_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.requests_in_flight.inc()
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.requests_in_flight.dec()
+            self.state.in_flight -= 1
+            self.metrics.request_duration_seconds.labels(route).observe(elapsed)
+            self.metrics.requests.labels(route, str(status)).inc()
+            if elapsed > self.target_seconds:
+                self.metrics.requests_over_target.labels(route).inc()
+            if (reason := REJECTION_REASON_BY_STATUS.get(status)) is not None and route != "/ready":
+                self.metrics.rejections.labels(reason).inc()

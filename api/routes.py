@@ -1,0 +1,217 @@
+"""HTTP routes: /predict, /models, /health, /ready, /info."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api import __version__
+from api.batching import BatchFailed, QueueFull
+from api.batching import DeadlineExceeded as BatchDeadline
+from api.classify import Classified
+from api.errors import (
+    ClientGone,
+    DeadlineExceeded,
+    InferenceFailed,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    Unavailable,
+)
+from api.models.predictor import Scores, TextTooLong
+from api.models.registry import Registry, ServedModel, UnknownName
+from api.schemas import (
+    ErrorBody,
+    HealthResponse,
+    InfoResponse,
+    LabelScore,
+    ModelInfo,
+    ModelProgress,
+    ModelsResponse,
+    PredictRequest,
+    PredictResponse,
+    ReadyResponse,
+)
+from api.state import Phase, ServiceState
+
+RETRY_AFTER_LOADING_SECONDS = "5"
+RETRY_SOON = {"Retry-After": "1"}
+ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 503, 504)
+}
+
+router = APIRouter()
+
+
+def service_state(request: Request) -> ServiceState:
+    """The app's state object, set up by the lifespan."""
+    state: ServiceState = request.app.state.service
+    return state
+
+
+State = Annotated[ServiceState, Depends(service_state)]
+
+
+@router.post("/predict", response_model=PredictResponse, responses=ERRORS)
+async def predict(
+    body: PredictRequest, request: Request, state: State, response: Response
+) -> PredictResponse:
+    """Classifies one text or a list of texts."""
+    if not state.serving:
+        raise Unavailable(
+            f"service is {state.phase.value}", {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+        )
+    texts = body.texts
+    check_limits(texts, state)
+    try:
+        runner = state.runners[state.registry.get(body.model).name]
+        adapter = Registry.adapter_for(runner.served, body.adapter)
+    except UnknownName as exc:
+        raise NotFound(str(exc)) from None
+    work = runner.classify(
+        texts,
+        adapter,
+        body.truncate,
+        state.cache if body.cache else None,
+        state.settings.request_timeout_seconds,
+    )
+    try:
+        result = await until_disconnect(request, work)
+    except TextTooLong as exc:
+        raise InvalidInput(str(exc)) from None
+    except QueueFull as exc:
+        raise Overloaded(f"model {runner.served.name!r} is busy: {exc}", RETRY_SOON) from None
+    except BatchDeadline as exc:
+        raise DeadlineExceeded(str(exc)) from None
+    except BatchFailed as exc:
+        raise InferenceFailed(f"inference failed: {exc}", RETRY_SOON) from None
+    state.metrics.predictions.labels(runner.served.name, adapter or "none").inc(len(texts))
+    response.headers["X-Model"] = runner.served.name
+    response.headers["X-Adapter"] = adapter or ""
+    response.headers["X-Cache"] = result.cache_header()
+    ranked = [rank(runner.served, s, body.raw_scores, body.top_k) for s in result.scores]
+    return ranked[0] if isinstance(body.inputs, str) else ranked
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, Classified]) -> Classified:
+    """Runs `work` unless the client goes first; then it is cancelled, and its queued texts
+    are dropped unrun (uvicorn itself does not cancel a handler whose client has gone)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone("client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def check_limits(texts: list[str], state: ServiceState) -> None:
+    """Count and length limits, checked before any tokenizing."""
+    settings = state.settings
+    if len(texts) > settings.max_texts_per_request:
+        raise InvalidInput(
+            f"{len(texts)} texts in one request; at most {settings.max_texts_per_request}"
+        )
+    for index, text in enumerate(texts):
+        if len(text) > settings.max_text_chars:
+            raise InvalidInput(
+                f"inputs[{index}] has {len(text)} characters; at most {settings.max_text_chars}"
+            )
+
+
+def rank(served: ServedModel, scores: Scores, raw: bool, top_k: int | None) -> list[LabelScore]:
+    """Labels with their scores, best first."""
+    values = scores.logits if raw else scores.probabilities
+    pairs = sorted(zip(served.loaded.labels, values, strict=True), key=lambda p: -p[1])
+    return [LabelScore(label=label, score=score) for label, score in pairs[:top_k]]
+
+
+@router.get("/models", response_model=ModelsResponse)
+async def models(state: State) -> ModelsResponse:
+    """What is loaded: base, adapters, quantization, dtype, device, load time by phase."""
+    return ModelsResponse(models=[model_info(served) for served in state.registry.in_order()])
+
+
+def model_info(served: ServedModel) -> ModelInfo:
+    """One model's entry in /models."""
+    loaded, spec = served.loaded, served.loaded.spec
+    mode = "merged" if loaded.merged else ("unmerged" if loaded.adapters else "none")
+    return ModelInfo(
+        name=spec.name,
+        base=spec.base,
+        revision=loaded.revision,
+        architecture=loaded.architecture,
+        quantization=spec.quantization,
+        dtype=loaded.dtype,
+        device=str(loaded.device),
+        labels=loaded.labels,
+        max_length=spec.max_length,
+        adapters=loaded.adapters,
+        default_adapter=spec.active_default_adapter,
+        adapter_mode=mode,
+        weight_bytes=loaded.weight_bytes,
+        load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},
+        fingerprint=served.fingerprint(spec.active_default_adapter),
+    )
+
+
+@router.get("/health", response_model=HealthResponse)
+async def health() -> HealthResponse:
+    """Alive: the process answers. Says nothing of the models."""
+    return HealthResponse(status="ok")
+
+
+@router.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
+async def ready(state: State) -> JSONResponse:
+    """200 once every model is loaded and warmed up; 503 with progress before, or draining."""
+    registry = state.registry
+    body = ReadyResponse(
+        status=state.phase.value,
+        loaded=len(registry.models),
+        total=len(registry.specs),
+        models={
+            name: ModelProgress(state=p.state, seconds=round(p.seconds, 3))
+            for name, p in registry.progress.items()
+        },
+        error=state.error,
+    )
+    ok = state.phase is Phase.READY
+    headers = None if ok else {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503, headers=headers)
+
+
+@router.get("/info", response_model=InfoResponse)
+async def info(state: State) -> InfoResponse:
+    """The service's version, models and request limits."""
+    settings = state.settings
+    return InfoResponse(
+        name="loraserve",
+        version=__version__,
+        models=[spec.name for spec in state.registry.specs],
+        max_texts_per_request=settings.max_texts_per_request,
+        max_text_chars=settings.max_text_chars,
+        max_body_bytes=settings.max_body_bytes,
+        latency_target_seconds=settings.latency_target_seconds,
+    )
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(state: State) -> Response:
+    """Prometheus exposition of every metric the service keeps."""
+    if state.cache is not None:
+        state.cache.refresh_gauges()
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,127 @@
+"""Request and response bodies of the HTTP contract (text-embeddings-inference compatible)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+
+from api.models.spec import NAME_PATTERN
+
+
+class PredictRequest(BaseModel):
+    """`POST /predict`: TEI's fields plus optional `model`, `adapter` and `top_k`."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"inputs": "WINNER!! Claim your free prize now"}]},
+    )
+
+    inputs: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] = Field(
+        description="One text, or a list of texts."
+    )
+    truncate: StrictBool = Field(
+        True, description="Cut texts to the model's max length; false refuses longer texts."
+    )
+    raw_scores: StrictBool = Field(False, description="Return logits instead of probabilities.")
+    model: Annotated[str, Field(pattern=NAME_PATTERN)] | None = Field(
+        None, description="Model to use; the first configured one if unset."
+    )
+    adapter: Annotated[str, Field(pattern=NAME_PATTERN)] | None = Field(
+        None, description="LoRA adapter to use; the model's default if unset."
+    )
+    top_k: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Return only the k best labels."
+    )
+    cache: StrictBool = Field(True, description="false: neither read nor write the cache.")
+
+    @field_validator("inputs")
+    @classmethod
+    def _valid_unicode(cls, inputs: str | list[str]) -> str | list[str]:
+        # JSON may carry lone surrogates ("\\ud800"): no tokenizer or response can encode them.
+        for index, text in enumerate([inputs] if isinstance(inputs, str) else inputs):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"inputs[{index}] is not valid Unicode (lone surrogate)") from None
+        return inputs
+
+    @property
+    def texts(self) -> list[str]:
+        """The inputs as a list."""
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+
+
+class LabelScore(BaseModel):
+    """One label with its probability (or logit, with raw_scores)."""
+
+    label: str
+    score: float
+
+
+PredictResponse = list[LabelScore] | list[list[LabelScore]]
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer has this shape."""
+
+    error: ErrorDetail
+
+
+class ModelInfo(BaseModel):
+    """What `GET /models` says of one loaded model."""
+
+    name: str
+    base: str
+    revision: str | None
+    architecture: str
+    quantization: str
+    dtype: str
+    device: str
+    labels: list[str]
+    max_length: int
+    adapters: list[str]
+    default_adapter: str | None
+    adapter_mode: str = Field(description="unmerged, merged into the base, or none.")
+    weight_bytes: int
+    load_seconds: dict[str, float] = Field(description="Seconds per load phase.")
+    fingerprint: str = Field(description="Digest of the base files and adapter weights.")
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelInfo]
+
+
+class ModelProgress(BaseModel):
+    state: str = Field(description="waiting, loading, ready or failed.")
+    phase: str | None = None
+    seconds: float = 0.0
+
+
+class ReadyResponse(BaseModel):
+    """`GET /ready`: `ready` once every model is loaded and warmed up."""
+
+    status: str
+    loaded: int
+    total: int
+    models: dict[str, ModelProgress]
+    error: str | None = None
+
+
+class HealthResponse(BaseModel):
+    status: str
+
+
+class InfoResponse(BaseModel):
+    name: str
+    version: str
+    models: list[str]
+    max_texts_per_request: int
+    max_text_chars: int
+    max_body_bytes: int
+    latency_target_seconds: float

@@ -1,0 +1,174 @@
+"""Service settings: one pydantic-settings class read from the environment and `.env`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from dotenv import dotenv_values
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+ADAPTER_DIR_SUFFIX = "_ADAPTER_DIR"
+
+
+class AdapterDirSource(PydanticBaseSettingsSource):
+    """Collects the seed names `<MODEL>_ADAPTER_DIR` from `.env` and the environment.
+
+    Their names depend on the models declared, so they cannot be fields of their own.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], env_file: str | None) -> None:
+        super().__init__(settings_cls)
+        self._env_file = env_file
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        found: dict[str, str] = {}
+        if self._env_file and Path(self._env_file).is_file():
+            for key, value in dotenv_values(self._env_file).items():
+                if key.upper().endswith(ADAPTER_DIR_SUFFIX) and value:
+                    found[key.upper()] = value
+        for key, value in os.environ.items():
+            if key.upper().endswith(ADAPTER_DIR_SUFFIX) and value:
+                found[key.upper()] = value
+        return {"adapter_dirs": found} if found else {}
+
+
+class Settings(BaseSettings):
+    """Every knob of the service; each one is also listed in `.env.example`."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env", env_file_encoding="utf-8", extra="ignore", case_sensitive=False
+    )
+
+    # --- models and loading ---
+    models_file: Path | None = Field(
+        None, description="YAML/JSON file declaring the models; unset serves the embedded default."
+    )
+    use_safetensors: bool = Field(True, description="Load weights only from .safetensors files.")
+    low_cpu_mem_usage: bool = Field(
+        True,
+        description="Build models empty, then fill them (transformers 5 always does).",
+    )
+    max_memory_gb: float | None = Field(
+        None, gt=0, description="Cap on memory per device (each GPU and the CPU), in GiB."
+    )
+    hf_home: Path | None = Field(
+        None, description="Hugging Face cache root (put it on an SSD); hub ids resolve here."
+    )
+    offline: bool = Field(
+        True, description="Never reach the model hub: resolve hub ids from the local cache only."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where models run: auto picks cuda when present, else cpu."
+    )
+    torch_num_threads: int | None = Field(
+        None, ge=1, description="Intra-op threads for torch on CPU; unset uses every core."
+    )
+    warmup: bool = Field(True, description="Run one batch at the largest shape after loading.")
+    adapter_dirs: dict[str, str] = Field(
+        default_factory=dict,
+        description="Read from <MODEL>_ADAPTER_DIR variables: overrides a model's adapter path.",
+    )
+
+    # --- HTTP ---
+    host: str = Field("127.0.0.1", description="Address the server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the server listens on.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of the service and uvicorn."
+    )
+    api_key: SecretStr | None = Field(
+        None, description="When set, every route but health/ready/metrics needs this bearer key."
+    )
+
+    # --- request limits ---
+    max_texts_per_request: int = Field(32, ge=1, description="Most texts one request may carry.")
+    max_text_chars: int = Field(
+        20_000, ge=1, description="Most characters per text, checked before tokenizing."
+    )
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024, ge=1024, description="Largest request body, chunked bodies included."
+    )
+    request_timeout_seconds: float = Field(
+        10.0, gt=0, description="Deadline per request; past it, its texts are dropped unrun (504)."
+    )
+    drain_seconds: float = Field(
+        10.0, ge=0, description="On SIGTERM: most seconds to finish accepted requests."
+    )
+
+    # --- dynamic batching (per model) ---
+    max_batch_size: int = Field(32, ge=1, description="Most texts in one forward pass.")
+    max_batch_tokens: int = Field(
+        8192, ge=1, description="Most tokens in one forward pass, padding counted."
+    )
+    max_batch_wait_seconds: float = Field(
+        0.002, ge=0, description="Longest a text waits for others to fill its batch."
+    )
+    max_queue_size: int = Field(
+        256, ge=1, description="Most requests queued or running per model; more get 429."
+    )
+
+    # --- result cache ---
+    lru_cache_entries: int = Field(
+        100_000, ge=0, description="In-process LRU size in texts; 0 turns it off."
+    )
+    disk_cache_dir: Path = Field(
+        Path(".cache/predictions"), description="Folder of the disk cache tier."
+    )
+    disk_cache_max_bytes: int = Field(
+        1024**3, ge=0, description="Disk cache size bound in bytes; 0 turns it off."
+    )
+    disk_cache_ttl_seconds: float | None = Field(
+        None, gt=0, description="Disk entries expire after this long; unset keeps them."
+    )
+
+    latency_target_seconds: float = Field(
+        2.0, gt=0, description="Response-time target; requests over it are counted."
+    )
+
+    @field_validator("models_file")
+    @classmethod
+    def _models_file_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"no such file: {value}")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        env_file = settings_cls.model_config.get("env_file")
+        adapter_dirs = AdapterDirSource(
+            settings_cls, env_file if isinstance(env_file, str) else None
+        )
+        return init_settings, env_settings, dotenv_settings, adapter_dirs, file_secret_settings
+
+
+class SettingsError(Exception):
+    """Settings that cannot start the service; the message names each bad setting."""
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read settings, turning validation errors into one message naming each setting."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            name = ".".join(str(part) for part in error["loc"]).upper() or "SETTINGS"
+            lines.append(f"{name}: {error['msg']}")
+        raise SettingsError("invalid settings:\n  " + "\n  ".join(lines)) from None

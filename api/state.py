@@ -1,0 +1,38 @@
+"""The service's life cycle (loading, ready, failed, draining) and what routes share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from api.cache import ResultCache
+from api.classify import ModelRunner
+from api.metrics import Metrics
+from api.models.registry import Registry
+from api.settings import Settings
+
+
+class Phase(str, Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+@dataclass
+class ServiceState:
+    """What every route reads: settings, models, runners, cache, metrics, and the phase."""
+
+    settings: Settings
+    registry: Registry
+    metrics: Metrics
+    cache: ResultCache | None = None
+    phase: Phase = Phase.LOADING
+    error: str | None = None
+    runners: dict[str, ModelRunner] = field(default_factory=dict)
+    in_flight: int = 0  # HTTP requests being handled, for the drain on shutdown
+
+    @property
+    def serving(self) -> bool:
+        """Requests are accepted only when every model is ready and no drain has begun."""
+        return self.phase is Phase.READY

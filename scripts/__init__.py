@@ -1,0 +1,1 @@
+"""Offline scripts: data preparation and training of the embedded default adapters."""

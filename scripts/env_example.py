@@ -1,0 +1,51 @@
+"""Writes `.env.example` from the settings class, so every knob is listed with its default."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from api.settings import Settings
+
+HEADER = """\
+# loraserve settings: copy to `.env` and change what you need. Every setting can also be set
+# in the environment (names are case-insensitive). Per-model adapter folders use the seed names
+# <MODEL>_ADAPTER_DIR (e.g. EXAONE_ADAPTER_DIR for a model named "exaone"); they override that
+# model's default adapter path in the models file.
+"""
+OUTPUT = Path(__file__).resolve().parents[1] / ".env.example"
+
+
+def render() -> str:
+    """The file's text: one commented line of description, then NAME=default."""
+    lines = [HEADER]
+    for name, field in Settings.model_fields.items():
+        if name == "adapter_dirs":
+            lines.append(f"# {field.description}\n# EXAONE_ADAPTER_DIR=/srv/adapters/exaone-spam\n")
+            continue
+        default = field.get_default(call_default_factory=True)
+        if default is None:  # unset: left commented, since an empty value is not "unset"
+            lines.append(f"# {field.description}\n# {name.upper()}=\n")
+            continue
+        shown = (
+            ""
+            if default is None
+            else str(default).lower()
+            if isinstance(default, bool)
+            else str(default)
+        )
+        lines.append(f"# {field.description}\n{name.upper()}={shown}\n")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Writes the file, or with --check exits 1 when it is out of date."""
+    text = render()
+    if "--check" in sys.argv:
+        return 0 if OUTPUT.read_text(encoding="utf-8") == text else 1
+    OUTPUT.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Runs the real `loraserve` server process on a loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class ServerProcess:
+    """A started server: its URL and process."""
+
+    url: str
+    process: subprocess.Popen[str]
+    log_path: Path
+
+    def log(self) -> str:
+        """Everything the process has written so far."""
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> list[int]:
+        """Polls /ready until 200; returns every status seen on the way."""
+        seen: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited {self.process.returncode}:\n{self.log()}")
+            try:
+                status = httpx.get(f"{self.url}/ready", timeout=5).status_code
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            seen.append(status)
+            if status == 200:
+                return seen
+            time.sleep(0.05)
+        raise TimeoutError(f"not ready after {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+
+@contextmanager
+def run_server(env: dict[str, str], log_dir: Path) -> Iterator[ServerProcess]:
+    """Starts `python -m api.cli` with the given settings; always stops it afterwards."""
+    port = free_port()
+    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **env}
+    log_path = log_dir / f"server-{port}.log"
+    with log_path.open("w", encoding="utf-8") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "api.cli"],
+            cwd=log_dir,
+            env={**full_env, "PYTHONPATH": str(REPO_ROOT)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        yield server
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)

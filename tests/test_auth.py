@@ -1,0 +1,93 @@
+"""The optional API key: every route but the allow-list needs it; it never leaks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from starlette.routing import BaseRoute, Route
+
+from api.app import create_app
+from api.auth import OPEN_PATHS
+from tests.conftest import make_settings, spec_for
+from tests.tiny_models import TinyModel
+
+KEY = "s3cret-key-for-tests"
+
+
+@pytest.fixture
+def client(tiny_bert: TinyModel, tmp_path: object) -> Iterator[TestClient]:
+    app = create_app(make_settings(api_key=KEY, disk_cache_max_bytes=0), [spec_for(tiny_bert)])
+    with TestClient(app) as client:
+        while client.get("/ready").status_code != 200:
+            time.sleep(0.02)
+        yield client
+
+
+def walk(routes: Iterable[BaseRoute]) -> Iterator[Route]:
+    """Every route, also inside included routers (FastAPI keeps those nested)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from walk(inner.routes)
+        elif isinstance(route, Route):
+            yield route
+
+
+def every_route(client: TestClient) -> list[tuple[str, str]]:
+    return [
+        (method, route.path)
+        for route in walk(client.app.routes)  # type: ignore[attr-defined]
+        for method in sorted(route.methods or {"GET"})
+        if method != "HEAD"
+    ]
+
+
+def test_every_route_but_the_allow_list_needs_the_key(client: TestClient) -> None:
+    routes = every_route(client)
+    assert {path for _, path in routes} >= {
+        "/predict",
+        "/models",
+        "/info",
+        "/docs",
+        "/openapi.json",
+    }
+    for method, path in routes:
+        body = {"inputs": "win"} if method == "POST" else None
+        without = client.request(method, path, json=body)
+        wrong = client.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
+        right = client.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+        if path in OPEN_PATHS:
+            assert without.status_code == 200, path
+            continue
+        for refused in (without, wrong):
+            assert refused.status_code == 401, (method, path)
+            assert refused.headers["WWW-Authenticate"] == "Bearer"
+            assert KEY not in refused.text
+        assert right.status_code == 200, (method, path, right.text)
+
+
+def test_unknown_paths_need_the_key_too(client: TestClient) -> None:
+    assert client.get("/admin").status_code == 401
+
+
+def test_the_key_never_appears_in_logs_metrics_or_errors(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    client.post("/predict", json={"inputs": []}, headers=headers)
+    client.post("/predict", json={"inputs": "x", "model": "nope"}, headers=headers)
+    client.post("/predict", json={"inputs": "x"}, headers={"Authorization": f"Bearer {KEY}x"})
+    metrics = client.get("/metrics").text
+    assert KEY not in metrics and KEY not in caplog.text
+    assert KEY not in client.get("/info", headers=headers).text
+
+
+def test_no_key_configured_means_open_routes(tiny_bert: TinyModel) -> None:
+    app = create_app(make_settings(disk_cache_max_bytes=0), [spec_for(tiny_bert)])
+    with TestClient(app) as client:
+        assert client.get("/info").status_code == 200

@@ -1,0 +1,248 @@
+"""The batcher alone, with a fake predictor: flush rules, limits, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from api.batching import (
+    Batcher,
+    BatchFailed,
+    BatchLimits,
+    BatchStats,
+    DeadlineExceeded,
+    QueueFull,
+)
+
+
+class FakePredictor:
+    """Scores a row as (adapter, sum of ids); records every batch it is given."""
+
+    def __init__(self, oom_above: int | None = None, fail: bool = False) -> None:
+        self.batches: list[list[tuple[str | None, list[int]]]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.oom_above = oom_above
+        self.fail = fail
+
+    def __call__(
+        self, rows: list[list[int]], adapters: list[str | None]
+    ) -> Sequence[tuple[str | None, int]]:
+        self.gate.wait(timeout=10)
+        self.batches.append(list(zip(adapters, rows, strict=True)))
+        if self.oom_above is not None and len(rows) > self.oom_above:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if self.fail:
+            raise ValueError("weights exploded")
+        return [(adapter, sum(ids)) for adapter, ids in zip(adapters, rows, strict=True)]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(batch) for batch in self.batches]
+
+
+@pytest.fixture
+async def executor() -> AsyncIterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield pool
+    pool.shutdown(wait=False)
+
+
+def batcher_for(
+    predictor: FakePredictor, executor: ThreadPoolExecutor, **limits: float
+) -> Batcher[tuple[str | None, int]]:
+    values = {"max_batch_size": 4, "max_batch_tokens": 1000, "max_wait_seconds": 0.05}
+    values.update(limits)
+    batcher: Batcher[tuple[str | None, int]] = Batcher(
+        predictor,
+        BatchLimits(
+            max_batch_size=int(values["max_batch_size"]),
+            max_batch_tokens=int(values["max_batch_tokens"]),
+            max_wait_seconds=values["max_wait_seconds"],
+            max_queue_requests=int(values.get("max_queue_requests", 100)),
+        ),
+        executor,
+    )
+    batcher.start()
+    return batcher
+
+
+async def test_flushes_when_the_batch_is_full_by_size(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    batcher = batcher_for(fake, executor, max_batch_size=4, max_wait_seconds=30)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(batcher.submit([[i]], ["a"], 10) for i in range(8))), 5
+    )
+    assert fake.sizes == [4, 4]
+    assert [r[0][1] for r in results] == list(range(8))
+    await batcher.stop()
+
+
+async def test_flushes_by_tokens_with_padding_counted(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    batcher = batcher_for(
+        fake, executor, max_batch_size=100, max_batch_tokens=40, max_wait_seconds=0.2
+    )
+    # 4 rows of 10 tokens = 40 padded tokens: full. A 5th would make 50.
+    rows = [[1] * 10 for _ in range(5)]
+    await asyncio.wait_for(
+        asyncio.gather(*(batcher.submit([r], [str(i)], 10) for i, r in enumerate(rows))), 5
+    )
+    assert fake.sizes == [4, 1]
+    await batcher.stop()
+
+
+async def test_flushes_by_wait_when_not_full(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    batcher = batcher_for(fake, executor, max_batch_size=100, max_wait_seconds=0.05)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results = await asyncio.gather(
+        batcher.submit([[1]], ["a"], 10), batcher.submit([[2]], ["a"], 10)
+    )
+    waited = loop.time() - started
+    assert fake.sizes == [2]
+    assert results == [[("a", 1)], [("a", 2)]]
+    assert 0.04 <= waited < 2
+    await batcher.stop()
+
+
+async def test_similar_lengths_go_together(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    fake.gate.clear()  # hold the first batch so the rest queue up together
+    batcher = batcher_for(fake, executor, max_batch_size=2, max_wait_seconds=0)
+    first = asyncio.ensure_future(batcher.submit([[0]], ["a"], 10))
+    await asyncio.sleep(0.05)
+    lengths = [1, 30, 2, 31]
+    rest = [asyncio.ensure_future(batcher.submit([[7] * n], ["a"], 10)) for n in lengths]
+    await asyncio.sleep(0.05)
+    fake.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *rest), 5)
+    grouped = [sorted(len(ids) for _, ids in batch) for batch in fake.batches[1:]]
+    assert grouped == [[1, 2], [30, 31]]
+    await batcher.stop()
+
+
+async def test_full_queue_refuses_at_once(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    fake.gate.clear()
+    batcher = batcher_for(fake, executor, max_queue_requests=2, max_wait_seconds=0)
+    held = [asyncio.ensure_future(batcher.submit([[i]], ["a"], 10)) for i in range(2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(QueueFull):
+        await batcher.submit([[9]], ["a"], 10)
+    fake.gate.set()
+    await asyncio.wait_for(asyncio.gather(*held), 5)
+    assert await batcher.submit([[9]], ["a"], 10) == [("a", 9)]
+    await batcher.stop()
+
+
+async def test_item_past_its_deadline_is_dropped_unrun(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    fake.gate.clear()
+    dropped: list[str] = []
+    batcher = batcher_for(fake, executor, max_wait_seconds=0)
+    batcher._on_drop = dropped.append
+    busy = asyncio.ensure_future(batcher.submit([[1]], ["a"], 10))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit([[2]], ["a"], 0.05)
+    await asyncio.sleep(0.05)
+    fake.gate.set()
+    await asyncio.wait_for(busy, 5)
+    await asyncio.sleep(0.1)
+    ran = [ids for batch in fake.batches for _, ids in batch]
+    assert [2] not in ran and dropped
+    await batcher.stop()
+
+
+async def test_failing_batch_fails_only_its_requests(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor(fail=True)
+    batcher = batcher_for(fake, executor, max_wait_seconds=0)
+    with pytest.raises(BatchFailed, match="weights exploded"):
+        await batcher.submit([[1]], ["a"], 5)
+    fake.fail = False
+    assert await batcher.submit([[2]], ["a"], 5) == [("a", 2)]  # the worker lives on
+    await batcher.stop()
+
+
+async def test_out_of_memory_splits_the_batch_and_retries(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor(oom_above=1)
+    batcher = batcher_for(fake, executor, max_batch_size=4, max_wait_seconds=30)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(batcher.submit([[i]], ["a"], 10) for i in range(4))), 5
+    )
+    assert [r[0][1] for r in results] == [0, 1, 2, 3]
+    assert fake.sizes == [4, 2, 1, 1, 2, 1, 1]
+    await batcher.stop()
+
+
+async def test_out_of_memory_on_one_row_fails_it(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor(oom_above=0)
+    batcher = batcher_for(fake, executor, max_wait_seconds=0)
+    with pytest.raises(BatchFailed, match="out of memory"):
+        await batcher.submit([[1]], ["a"], 5)
+    await batcher.stop()
+
+
+async def test_cancelled_item_is_not_run(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    fake.gate.clear()
+    batcher = batcher_for(fake, executor, max_wait_seconds=0)
+    busy = asyncio.ensure_future(batcher.submit([[1]], ["a"], 10))
+    await asyncio.sleep(0.05)
+    gone = asyncio.ensure_future(batcher.submit([[2]], ["a"], 10))
+    await asyncio.sleep(0.02)
+    gone.cancel()
+    await asyncio.sleep(0.02)
+    fake.gate.set()
+    await asyncio.wait_for(busy, 5)
+    assert await batcher.submit([[3]], ["a"], 5) == [("a", 3)]
+    ran = [ids for batch in fake.batches for _, ids in batch]
+    assert [2] not in ran
+    await batcher.stop()
+
+
+async def test_identical_texts_in_flight_are_computed_once(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    batcher = batcher_for(fake, executor, max_batch_size=10, max_wait_seconds=0.05)
+    results = await asyncio.gather(
+        *(batcher.submit([[5, 5], [6]], ["a", "a"], 5) for _ in range(5)),
+        batcher.submit([[5, 5]], ["b"], 5),
+    )
+    assert results[:5] == [[("a", 10), ("a", 6)]] * 5
+    assert results[5] == [("b", 10)]
+    ran = [(adapter, ids) for batch in fake.batches for adapter, ids in batch]
+    assert sorted(ran) == [("a", [5, 5]), ("a", [6]), ("b", [5, 5])]
+    await batcher.stop()
+
+
+async def test_mixed_adapters_share_a_batch_with_per_row_adapters(
+    executor: ThreadPoolExecutor,
+) -> None:
+    fake = FakePredictor()
+    batcher = batcher_for(fake, executor, max_batch_size=4, max_wait_seconds=30)
+    results = await asyncio.gather(
+        batcher.submit([[1]], ["spam"], 5),
+        batcher.submit([[2]], ["promo"], 5),
+        batcher.submit([[3]], [None], 5),
+        batcher.submit([[4]], ["spam"], 5),
+    )
+    assert fake.sizes == [4]
+    assert results == [[("spam", 1)], [("promo", 2)], [(None, 3)], [("spam", 4)]]
+    await batcher.stop()
+
+
+async def test_stats_report_each_batch(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    seen: list[BatchStats] = []
+    batcher = batcher_for(fake, executor, max_batch_size=2, max_wait_seconds=30)
+    batcher._on_batch = seen.append
+    await asyncio.gather(batcher.submit([[1, 1, 1]], ["a"], 5), batcher.submit([[2]], ["a"], 5))
+    assert len(seen) == 1 and seen[0].rows == 2 and seen[0].padded_tokens == 6
+    assert len(seen[0].queue_seconds) == 2 and seen[0].run_seconds >= 0
+    await batcher.stop()

@@ -1,0 +1,132 @@
+"""The two-tier cache: eviction, restarts, changed weights, corrupt entries, opting out."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import diskcache
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.cache import LruTier
+from api.models.spec import AdapterSpec
+from tests.conftest import make_settings, spec_for
+from tests.tiny_models import TinyModel
+
+TEXT = {"inputs": "win a free prize now"}
+
+
+@contextmanager
+def serving(
+    tiny: TinyModel, cache_dir: Path, adapter_path: Path | None = None, **settings: object
+) -> Iterator[TestClient]:
+    spec = spec_for(tiny, adapters=("spam",))
+    if adapter_path is not None:
+        spec = spec.model_copy(update={"adapters": [AdapterSpec(name="spam", path=adapter_path)]})
+    app = create_app(make_settings(disk_cache_dir=cache_dir, **settings), [spec])
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        yield client
+
+
+def test_lru_evicts_the_least_recently_used() -> None:
+    lru = LruTier(max_entries=2)
+    a, b, c = ((0.1,), (0.1,)), ((0.2,), (0.2,)), ((0.3,), (0.3,))
+    lru.put("a", a)
+    lru.put("b", b)
+    assert lru.get("a") == a  # a is now the most recent
+    lru.put("c", c)
+    assert lru.get("b") is None and lru.get("a") == a and lru.get("c") == c
+    assert len(lru) == 2
+
+
+def test_second_request_is_a_hit_and_opting_out_skips_the_cache(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    with serving(tiny_bert, tmp_path / "cache") as client:
+        first = client.post("/predict", json=TEXT)
+        second = client.post("/predict", json=TEXT)
+        opted_out = client.post("/predict", json={**TEXT, "cache": False})
+    assert first.headers["X-Cache"] == "lru=0,disk=0,model=1"
+    assert second.headers["X-Cache"] == "lru=1,disk=0,model=0"
+    assert opted_out.headers["X-Cache"] == "lru=0,disk=0,model=1"
+    assert first.json() == second.json() == opted_out.json()
+
+
+def test_batch_mixes_hits_and_misses_in_order(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    with serving(tiny_bert, tmp_path / "cache") as client:
+        one = client.post("/predict", json={"inputs": ["lunch tomorrow"]}).json()
+        both = client.post("/predict", json={"inputs": ["win a prize", "lunch tomorrow"]})
+        fresh = client.post("/predict", json={"inputs": ["win a prize"], "cache": False}).json()
+    assert both.headers["X-Cache"] == "lru=1,disk=0,model=1"
+    assert both.json() == [fresh[0], one[0]]
+
+
+def test_disk_tier_survives_a_restart(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    with serving(tiny_bert, tmp_path / "cache") as client:
+        before = client.post("/predict", json=TEXT)
+    with serving(tiny_bert, tmp_path / "cache") as client:
+        after = client.post("/predict", json=TEXT)
+    assert before.headers["X-Cache"].endswith("model=1")
+    assert after.headers["X-Cache"] == "lru=0,disk=1,model=0"
+    assert after.json() == before.json()
+
+
+def test_changed_adapter_file_never_serves_the_old_answer(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    adapter = tmp_path / "adapter"
+    shutil.copytree(tiny_bert.adapters["spam"], adapter)
+    with serving(tiny_bert, tmp_path / "cache", adapter) as client:
+        old = client.post("/predict", json=TEXT).json()
+    # Same path, same name, new weights: as when a retrained adapter is copied over the old.
+    shutil.copy(tiny_bert.adapters["promo"] / "adapter_model.safetensors", adapter)
+    with serving(tiny_bert, tmp_path / "cache", adapter) as client:
+        new = client.post("/predict", json=TEXT)
+    with serving(tiny_bert, tmp_path / "other-cache", tiny_bert.adapters["promo"]) as client:
+        promo = client.post("/predict", json=TEXT).json()
+    assert new.headers["X-Cache"] == "lru=0,disk=0,model=1"
+    assert new.json() == promo and new.json() != old
+
+
+def test_corrupt_disk_entry_is_served_from_the_model_and_counted(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    with serving(tiny_bert, tmp_path / "cache") as client:
+        good = client.post("/predict", json=TEXT).json()
+    with diskcache.Cache(str(tmp_path / "cache")) as raw:
+        (key,) = list(raw)
+        raw.set(key, "{not json")
+    with serving(tiny_bert, tmp_path / "cache") as client:
+        response = client.post("/predict", json=TEXT)
+        metrics = client.get("/metrics").text
+    assert response.status_code == 200 and response.json() == good
+    assert response.headers["X-Cache"] == "lru=0,disk=0,model=1"
+    assert 'loraserve_cache_errors_total{op="read",tier="disk"} 1.0' in metrics
+
+
+def test_unwritable_disk_cache_degrades_to_the_model(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be", encoding="utf-8")
+    with serving(tiny_bert, blocked) as client:
+        response = client.post("/predict", json=TEXT)
+        metrics = client.get("/metrics").text
+    assert response.status_code == 200
+    assert 'loraserve_cache_errors_total{op="open",tier="disk"} 1.0' in metrics
+
+
+def test_both_tiers_can_be_turned_off(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    with serving(
+        tiny_bert, tmp_path / "cache", lru_cache_entries=0, disk_cache_max_bytes=0
+    ) as client:
+        client.post("/predict", json=TEXT)
+        again = client.post("/predict", json=TEXT)
+    assert again.headers["X-Cache"] == "lru=0,disk=0,model=1"
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,206 @@
+"""The real loader on tiny real checkpoints: quantization, adapters, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from api.models.loader import LoadError, load_model, max_memory_map
+from api.models.predictor import Predictor
+from api.models.spec import AdapterSpec
+from tests.conftest import make_settings, spec_for
+from tests.tiny_models import TinyModel
+
+TEXTS = ["win a free prize now call", "are we still meeting for lunch tomorrow"]
+# How far each choice may move a probability on a tiny random model; 4-bit moves most.
+CPU_QUANTIZATIONS = {"none": 1e-6, "int8": 0.05, "dynamic-int8": 0.05, "nf4": 0.1, "fp4": 0.1}
+
+
+def probabilities(predictor: Predictor, adapter: str | None) -> torch.Tensor:
+    return torch.tensor([s.probabilities for s in predictor.predict(TEXTS, adapter)])
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("quantization", sorted(CPU_QUANTIZATIONS))
+def test_each_cpu_quantization_loads_and_classifies_like_fp32(
+    kind: str, quantization: str, request: pytest.FixtureRequest
+) -> None:
+    tiny: TinyModel = request.getfixturevalue(f"tiny_{kind}")
+    adapters = ("spam",) if quantization == "dynamic-int8" else ("spam", "promo")
+    reference = Predictor(load_model(spec_for(tiny, adapters=adapters), make_settings()))
+    spec = spec_for(tiny, adapters=adapters, quantization=quantization)
+    loaded = load_model(spec, make_settings())
+    predictor = Predictor(loaded)
+
+    got, want = probabilities(predictor, "spam"), probabilities(reference, "spam")
+    assert got.shape == (2, 2)
+    assert torch.allclose(got.sum(dim=1), torch.ones(2), atol=1e-5)
+    assert torch.allclose(got, want, atol=CPU_QUANTIZATIONS[quantization]), (got, want)
+    assert torch.equal(got.argmax(dim=1), want.argmax(dim=1))
+    assert loaded.labels == ["ham", "spam"]
+    if quantization != "none":
+        assert loaded.weight_bytes < reference.loaded.weight_bytes
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_two_adapters_on_one_base_answer_differently(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    tiny: TinyModel = request.getfixturevalue(f"tiny_{kind}")
+    predictor = Predictor(load_model(spec_for(tiny), make_settings()))
+
+    spam, promo = probabilities(predictor, "spam"), probabilities(predictor, "promo")
+    assert (spam - promo).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_mixed_adapter_batch_matches_one_adapter_at_a_time(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    tiny: TinyModel = request.getfixturevalue(f"tiny_{kind}")
+    predictor = Predictor(load_model(spec_for(tiny), make_settings()))
+    rows = predictor.encode(TEXTS + TEXTS)
+
+    mixed = predictor.forward(rows, ["spam", "spam", "promo", "promo"])
+    alone = predictor.forward(rows[:2], ["spam"] * 2) + predictor.forward(rows[2:], ["promo"] * 2)
+
+    for a, b in zip(mixed, alone, strict=True):
+        assert a.probabilities == pytest.approx(b.probabilities, abs=1e-5)
+
+
+def test_llama_without_pad_token_batches_texts_of_different_lengths(
+    tiny_llama: TinyModel,
+) -> None:
+    predictor = Predictor(load_model(spec_for(tiny_llama), make_settings()))
+    together = predictor.predict(["win", "are we still meeting for lunch tomorrow ok"], "spam")
+    alone = predictor.predict(["win"], "spam")
+
+    assert together[0].probabilities == pytest.approx(alone[0].probabilities, abs=1e-5)
+
+
+def test_adapter_with_mismatched_keys_is_refused(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    broken = tmp_path / "renamed"
+    shutil.copytree(tiny_bert.adapters["spam"], broken)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(broken / "adapter_model.safetensors")
+    renamed = {key.replace("layer.0.", "layer.7."): value for key, value in tensors.items()}
+    save_file(renamed, broken / "adapter_model.safetensors")
+    spec = spec_for(tiny_bert, adapters=()).model_copy(
+        update={"adapters": [AdapterSpec(name="spam", path=broken, sha256=None)]}
+    )
+
+    with pytest.raises(LoadError) as error:
+        load_model(spec, make_settings())
+    message = str(error.value)
+    assert "'tiny'" in message and "adapter_model.safetensors" in message
+    assert "match nothing in the base" in message and "missing" in message
+
+
+def test_adapter_for_another_base_is_refused(tiny_bert: TinyModel, tiny_llama: TinyModel) -> None:
+    spec = spec_for(tiny_bert, adapters=()).model_copy(
+        update={"adapters": [AdapterSpec(name="spam", path=tiny_llama.adapters["spam"])]}
+    )
+    with pytest.raises(LoadError, match=r"adapter_model.safetensors: adapter does not fit"):
+        load_model(spec, make_settings())
+
+
+def test_bad_adapter_config_is_refused(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    broken = tmp_path / "bad-config"
+    shutil.copytree(tiny_bert.adapters["spam"], broken)
+    (broken / "adapter_config.json").write_text("{not json", encoding="utf-8")
+    spec = spec_for(tiny_bert, adapters=()).model_copy(
+        update={"adapters": [AdapterSpec(name="spam", path=broken)]}
+    )
+    with pytest.raises(LoadError, match=r"adapter_config.json: bad adapter config"):
+        load_model(spec, make_settings())
+
+
+def test_truncated_base_weights_are_refused_naming_the_file(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(tiny_bert.base, base)
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+
+    with pytest.raises(LoadError) as error:
+        load_model(spec_for(tiny_bert, base=str(base)), make_settings())
+    assert str(weights) in str(error.value) and "truncated" in str(error.value)
+
+
+def test_truncated_adapter_weights_are_refused_naming_the_file(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    broken = tmp_path / "adapter"
+    shutil.copytree(tiny_bert.adapters["spam"], broken)
+    weights = broken / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    spec = spec_for(tiny_bert, adapters=()).model_copy(
+        update={"adapters": [AdapterSpec(name="spam", path=broken)]}
+    )
+    with pytest.raises(LoadError, match=r"adapter_model.safetensors: truncated"):
+        load_model(spec, make_settings())
+
+
+def test_pinned_sha256_mismatch_is_refused(tiny_bert: TinyModel) -> None:
+    spec = spec_for(tiny_bert, weights_sha256={"model.safetensors": "0" * 64})
+    with pytest.raises(LoadError, match="does not match pinned"):
+        load_model(spec, make_settings())
+
+
+def test_base_without_head_and_no_adapter_is_refused(tiny_bert: TinyModel) -> None:
+    with pytest.raises(LoadError, match="classification head would be random"):
+        load_model(spec_for(tiny_bert, adapters=()), make_settings())
+
+
+def test_pickle_only_base_is_refused_when_safetensors_are_required(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    base = tmp_path / "pickled"
+    shutil.copytree(tiny_bert.base, base)
+    torch.save(load_file(base / "model.safetensors"), base / "pytorch_model.bin")
+    (base / "model.safetensors").unlink()
+
+    with pytest.raises(LoadError, match="USE_SAFETENSORS=true"):
+        load_model(spec_for(tiny_bert, base=str(base)), make_settings(use_safetensors=True))
+    loaded = load_model(spec_for(tiny_bert, base=str(base)), make_settings(use_safetensors=False))
+    assert Predictor(loaded).predict(TEXTS, "spam")
+
+
+def test_dynamic_int8_with_two_adapters_is_refused_with_the_reason(tiny_bert: TinyModel) -> None:
+    with pytest.raises(LoadError, match="serves one adapter, not 2"):
+        load_model(spec_for(tiny_bert, quantization="dynamic-int8"), make_settings())
+
+
+def test_hub_id_resolves_from_hf_home_offline(tiny_bert: TinyModel, tmp_path: Path) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-bert"
+    shutil.copytree(tiny_bert.base, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit, encoding="utf-8")
+    settings = make_settings(hf_home=tmp_path / "hf", offline=True)
+
+    loaded = load_model(spec_for(tiny_bert, base="acme/tiny-bert", revision=commit), settings)
+    assert loaded.revision == commit
+    with pytest.raises(LoadError, match="not in the Hugging Face cache"):
+        load_model(spec_for(tiny_bert, base="acme/other"), settings)
+
+
+def test_max_memory_gb_becomes_a_per_device_cap() -> None:
+    settings = make_settings(max_memory_gb=14.5)
+    assert max_memory_map(settings, torch.device("cpu")) == {"cpu": "14.5GiB"}
+    assert max_memory_map(make_settings(), torch.device("cpu")) is None
+
+
+def test_load_records_every_phase(tiny_bert: TinyModel) -> None:
+    loaded = load_model(spec_for(tiny_bert), make_settings())
+    assert set(loaded.phases) == {"resolve", "weights", "quantize", "adapters", "warmup"}
+    assert loaded.phases["weights"] > 0 and loaded.phases["adapters"] > 0
+    assert json.dumps(loaded.phases)

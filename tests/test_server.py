@@ -1,0 +1,77 @@
+"""The real `loraserve` process on loopback: start-up, predictions, exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.server_process import run_server
+from tests.tiny_models import TinyModel, write_models_file
+
+
+def tiny_models_file(tmp_path: Path, tiny: TinyModel, **fields: object) -> Path:
+    return write_models_file(
+        tmp_path / "models.yaml",
+        [
+            {
+                "name": "tiny",
+                "base": str(tiny.base),
+                "labels": ["ham", "spam"],
+                "max_length": 32,
+                "adapters": [
+                    {"name": name, "path": str(path)} for name, path in tiny.adapters.items()
+                ],
+                **fields,
+            }
+        ],
+    )
+
+
+def test_server_process_serves_a_tiny_llama_in_8bit_and_exits_0_on_sigterm(
+    tiny_llama: TinyModel, tmp_path: Path
+) -> None:
+    models = tiny_models_file(tmp_path, tiny_llama, quantization="int8")
+    with run_server({"MODELS_FILE": str(models)}, tmp_path) as server:
+        statuses = server.wait_ready()
+        assert set(statuses) <= {200, 503} and statuses[-1] == 200
+        response = httpx.post(
+            f"{server.url}/predict", json={"inputs": ["win a prize", "lunch"], "adapter": "promo"}
+        )
+        assert response.status_code == 200
+        assert [len(row) for row in response.json()] == [2, 2]
+        model = httpx.get(f"{server.url}/models").json()["models"][0]
+        assert model["quantization"] == "int8" and model["adapters"] == ["spam", "promo"]
+        assert server.stop() == 0
+
+
+def test_server_exits_non_zero_when_a_model_fails_to_load(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    models = tiny_models_file(tmp_path, tiny_bert, weights_sha256={"model.safetensors": "0" * 64})
+    with run_server({"MODELS_FILE": str(models)}, tmp_path) as server:
+        code = server.process.wait(timeout=120)
+        assert code == 1
+        log = server.log()
+        assert "model 'tiny'" in log and "model.safetensors" in log and "sha256" in log
+
+
+def test_server_refuses_invalid_settings_naming_them(tmp_path: Path) -> None:
+    with run_server({"MAX_TEXTS_PER_REQUEST": "many"}, tmp_path) as server:
+        assert server.process.wait(timeout=60) == 2
+        assert "MAX_TEXTS_PER_REQUEST" in server.log()
+
+
+def test_embedded_default_model_tells_spam_from_ham(tmp_path: Path) -> None:
+    with run_server({}, tmp_path) as server:
+        server.wait_ready()
+        spam = httpx.post(
+            f"{server.url}/predict",
+            json={"inputs": "WINNER!! Claim your free prize now, call 09061701461"},
+        ).json()
+        ham = httpx.post(
+            f"{server.url}/predict", json={"inputs": "Are we still meeting for lunch tomorrow?"}
+        ).json()
+        assert spam[0]["label"] == "spam" and spam[0]["score"] > 0.9
+        assert ham[0]["label"] == "ham" and ham[0]["score"] > 0.9
+        assert server.stop() == 0

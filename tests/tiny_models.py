@@ -1,0 +1,198 @@
+"""Builds tiny but real checkpoints (a BERT and a Llama) with LoRA adapters, on disk."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, TaskType, get_peft_model
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import (
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+WORDS = [
+    "win",
+    "winner",
+    "free",
+    "prize",
+    "claim",
+    "call",
+    "now",
+    "cash",
+    "urgent",
+    "txt",
+    "reply",
+    "stop",
+    "offer",
+    "mobile",
+    "are",
+    "we",
+    "still",
+    "meeting",
+    "for",
+    "lunch",
+    "tomorrow",
+    "ok",
+    "see",
+    "you",
+    "later",
+    "love",
+    "home",
+    "thanks",
+    "sorry",
+    "the",
+    "a",
+    "to",
+    "is",
+    "in",
+    "it",
+    "i",
+    "u",
+    "and",
+    "of",
+    "me",
+    "my",
+    "on",
+    "at",
+    "be",
+]
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "<s>", "</s>"]
+LABELS = ["ham", "spam"]
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A base folder and its adapter folders."""
+
+    base: Path
+    adapters: dict[str, Path]
+
+
+def _vocab() -> dict[str, int]:
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789!?.,'£$")
+    tokens = SPECIALS + WORDS + chars + [f"##{c}" for c in chars]
+    return {token: index for index, token in enumerate(dict.fromkeys(tokens))}
+
+
+def build_tokenizer(folder: Path, decoder: bool) -> PreTrainedTokenizerFast:
+    """A WordPiece tokenizer over a small vocabulary, saved as tokenizer.json."""
+    vocab = _vocab()
+    core = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    core.normalizer = normalizers.BertNormalizer(lowercase=True)
+    core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    if decoder:
+        core.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="[UNK]"
+        )
+    else:
+        core.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=core,
+            unk_token="[UNK]",
+            pad_token="[PAD]",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+        )
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def build_bert(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer BERT saved like sentence-transformers bases: no classification head."""
+    torch.manual_seed(seed)
+    build_tokenizer(folder, decoder=False)
+    config = BertConfig(
+        vocab_size=len(_vocab()),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_llama(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama saved as a causal LM, as instruct checkpoints are (no score head)."""
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(folder, decoder=True)
+    config = LlamaConfig(
+        vocab_size=len(_vocab()),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_adapter(base: Path, folder: Path, targets: list[str], seed: int) -> Path:
+    """A LoRA adapter with random (non-zero) weights and a trained-looking head."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base,
+        num_labels=len(LABELS),
+        id2label=dict(enumerate(LABELS)),
+        label2id={label: index for index, label in enumerate(LABELS)},
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=4,
+        lora_alpha=8,
+        target_modules=targets,
+        init_lora_weights=False,
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # a distinct head per adapter, so adapters answer differently
+        for name, param in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                param.normal_(0.0, 0.5)
+    peft_model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_tiny(root: Path, kind: str) -> TinyModel:
+    """`bert` or `llama`: a base with two adapters, `spam` and `promo`."""
+    base = root / kind / "base"
+    if kind == "bert":
+        build_bert(base)
+        targets = ["query", "value"]
+    else:
+        build_llama(base)
+        targets = ["q_proj", "v_proj"]
+    adapters = {
+        name: build_adapter(base, root / kind / f"adapter-{name}", targets, seed)
+        for name, seed in (("spam", 1), ("promo", 2))
+    }
+    return TinyModel(base=base, adapters=adapters)
+
+
+def write_models_file(path: Path, entries: list[dict[str, object]]) -> Path:
+    """A models file (JSON is YAML too) for the given model entries."""
+    path.write_text(json.dumps({"models": entries}, default=str, indent=2), encoding="utf-8")
+    return path
