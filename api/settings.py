@@ -75,6 +75,18 @@ class Settings(BaseSettings):
         None, ge=1, description="Intra-op threads for torch on CPU; unset uses every core."
     )
     warmup: bool = Field(True, description="Run one batch at the largest shape after loading.")
+    merge_single_adapter: bool = Field(
+        True, description="Merge a model's only adapter into full-precision weights."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Attention kernel: PyTorch's fused SDPA, or the eager reference."
+    )
+    torch_compile: bool = Field(
+        False, description="torch.compile each model's forward (slower start-up)."
+    )
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, description="Pad batches to a multiple of this many tokens (length buckets)."
+    )
     adapter_dirs: dict[str, str] = Field(
         default_factory=dict,
         description="Read from <MODEL>_ADAPTER_DIR variables: overrides a model's adapter path.",

@@ -204,3 +204,46 @@ def test_load_records_every_phase(tiny_bert: TinyModel) -> None:
     assert set(loaded.phases) == {"resolve", "weights", "quantize", "adapters", "warmup"}
     assert loaded.phases["weights"] > 0 and loaded.phases["adapters"] > 0
     assert json.dumps(loaded.phases)
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_single_adapter_is_merged_and_answers_as_unmerged(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    tiny: TinyModel = request.getfixturevalue(f"tiny_{kind}")
+    spec = spec_for(tiny, adapters=("spam",))
+    merged = load_model(spec, make_settings())
+    unmerged = load_model(spec, make_settings(merge_single_adapter=False))
+    assert merged.merged and not unmerged.merged
+    assert not any("lora" in name for name, _ in merged.model.named_parameters())
+    assert torch.allclose(
+        probabilities(Predictor(merged), "spam"),
+        probabilities(Predictor(unmerged), "spam"),
+        atol=1e-5,
+    )
+
+
+def test_quantized_base_keeps_its_single_adapter_unmerged(tiny_llama: TinyModel) -> None:
+    loaded = load_model(
+        spec_for(tiny_llama, adapters=("spam",), quantization="nf4"), make_settings()
+    )
+    assert not loaded.merged
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attn_implementation": "eager"},
+        {"pad_to_multiple_of": 8},
+        {"torch_compile": True},
+    ],
+    ids=["eager-attention", "length-buckets", "torch-compile"],
+)
+def test_speed_options_answer_like_the_default(
+    tiny_bert: TinyModel, options: dict[str, object]
+) -> None:
+    spec = spec_for(tiny_bert, adapters=("spam",))
+    settings = make_settings(**options)
+    reference = probabilities(Predictor(load_model(spec, make_settings())), "spam")
+    predictor = Predictor(load_model(spec, settings), settings.pad_to_multiple_of)
+    assert torch.allclose(probabilities(predictor, "spam"), reference, atol=1e-4)

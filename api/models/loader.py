@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -172,12 +172,21 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
             "classification head would be random",
         )
 
-    merged = False
+    # One adapter on a full-precision base: fold it into the weights, so serving costs no
+    # LoRA matmuls. bitsandbytes bases stay unmerged: merging re-quantizes, and loses.
+    merged = len(spec.adapters) == 1 and (
+        spec.quantization == "dynamic-int8"
+        or (spec.quantization == "none" and settings.merge_single_adapter)
+    )
+    if merged:
+        with timed(phases, "adapters"):
+            model = cast(Any, model).merge_and_unload()
     if spec.quantization == "dynamic-int8":
         with timed(phases, "quantize"):
-            merged = bool(spec.adapters)
-            model = _merge_single_adapter(model)
             model = quantize_dynamic_int8(model)
+    if settings.torch_compile:
+        with timed(phases, "quantize"):
+            model.forward = torch.compile(model.forward, dynamic=True)
     model.eval()
     return LoadedModel(
         spec=spec,
@@ -242,6 +251,7 @@ def _load_base(
         "trust_remote_code": spec.trust_remote_code,
         "local_files_only": True,
         "output_loading_info": True,
+        "attn_implementation": settings.attn_implementation,
     }
     if memory is not None:
         kwargs["max_memory"] = memory
@@ -263,11 +273,6 @@ def _fit_pad_token(model: torch.nn.Module, tokenizer: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
-
-
-def _merge_single_adapter(model: torch.nn.Module) -> torch.nn.Module:
-    merge = getattr(model, "merge_and_unload", None)
-    return model if merge is None else merge()
 
 
 def module_bytes(model: torch.nn.Module) -> int:

@@ -33,8 +33,9 @@ class Scores:
 class Predictor:
     """Runs one loaded model. Not thread-safe: one batch at a time per model."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, pad_to_multiple_of: int | None = None) -> None:
         self.loaded = loaded
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.labels = loaded.labels
         self.max_length = loaded.spec.max_length
         self._tokenizer = loaded.tokenizer
@@ -58,7 +59,12 @@ class Predictor:
     @torch.inference_mode()
     def forward(self, batch: list[list[int]], adapters: list[str | None]) -> list[Scores]:
         """Scores a batch of token-id rows; `adapters[i]` names row i's adapter."""
-        inputs = self._tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt")
+        inputs = self._tokenizer.pad(
+            {"input_ids": batch},
+            padding=True,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            return_tensors="pt",
+        )
         inputs = {name: tensor.to(self.loaded.device) for name, tensor in inputs.items()}
         logits = self._model_logits(inputs, adapters).float()
         probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)

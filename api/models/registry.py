@@ -90,7 +90,7 @@ class Registry:
         progress.state, progress.started = "loading", time.perf_counter()
         try:
             loaded = load_model(spec, self.settings)
-            predictor = Predictor(loaded)
+            predictor = Predictor(loaded, self.settings.pad_to_multiple_of)
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
