@@ -15,6 +15,7 @@ from api.auth import ApiKeyGuard
 from api.batching import Batcher, BatchLimits, BatchStats
 from api.body_limit import BodySizeLimit
 from api.cache import ResultCache
+from api.cascade import Cascade, cascade_models
 from api.classify import ModelRunner
 from api.errors import install_error_handlers
 from api.metrics import Metrics
@@ -43,6 +44,7 @@ def create_app(
     """
     if specs is None:
         specs = load_models_file(settings.models_file, settings.adapter_dirs)
+    cascade = cascade_models(settings, specs)
     metrics = Metrics(settings.latency_target_seconds)
     registry = Registry(specs, settings, warmup_rows=settings.max_batch_size)
     state = ServiceState(settings=settings, registry=registry, metrics=metrics)
@@ -57,7 +59,7 @@ def create_app(
             settings.disk_cache_ttl_seconds,
         )
         executors: dict[str, ThreadPoolExecutor] = {}
-        loading = asyncio.create_task(_load(state, executors, on_fatal))
+        loading = asyncio.create_task(_load(state, executors, cascade, on_fatal))
         try:
             yield
         finally:
@@ -91,16 +93,29 @@ def create_app(
 async def _load(
     state: ServiceState,
     executors: dict[str, ThreadPoolExecutor],
+    cascade: tuple[str, str] | None,
     on_fatal: FatalHandler | None,
 ) -> None:
     try:
         await asyncio.to_thread(state.registry.load_all)
+        _start_runners(state, executors)
+        if cascade is not None:
+            first, second = (state.runners[name] for name in cascade)
+            threshold = state.settings.cascade_threshold
+            state.cascade = Cascade(first, second, threshold, state.metrics)
     except Exception as exc:
         state.phase, state.error = Phase.FAILED, str(exc)
         logger.error("start-up failed: %s", exc)
         if on_fatal is not None:
             on_fatal(exc)
         return
+    if state.phase is Phase.LOADING:
+        state.phase = Phase.READY
+        state.metrics.ready.set(1)
+        logger.info("ready: %s", ", ".join(state.registry.models))
+
+
+def _start_runners(state: ServiceState, executors: dict[str, ThreadPoolExecutor]) -> None:
     slots: dict[str, asyncio.Semaphore] = {}
     for served in state.registry.in_order():
         device = str(served.loaded.device)
@@ -111,10 +126,6 @@ async def _load(
         slot = slots.setdefault(device, asyncio.Semaphore(1))
         state.runners[served.name] = ModelRunner(served, _batcher(state, served, executor, slot))
         _report_model(state.metrics, served)
-    if state.phase is Phase.LOADING:
-        state.phase = Phase.READY
-        state.metrics.ready.set(1)
-        logger.info("ready: %s", ", ".join(state.registry.models))
 
 
 def _batcher(

@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 
 from api.app import create_app
+from api.cascade import CascadeError
 from api.models.spec import ModelsFileError, load_models_file
 from api.settings import Settings, SettingsError, load_settings
 from api.state import Phase, ServiceState
@@ -105,7 +106,7 @@ def main() -> int:
     quiet_libraries()
     try:
         server = build_server(settings)
-    except ModelsFileError as exc:
+    except (ModelsFileError, CascadeError) as exc:
         print(f"loraserve: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     server.run()

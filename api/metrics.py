@@ -151,6 +151,10 @@ class Metrics:
         self.cache_entries = Gauge(f"{p}_cache_entries", "Entries held", ["tier"], registry=r)
         self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held on disk", ["tier"], registry=r)
 
+        self.cascade_escalations = Counter(
+            f"{p}_cascade_escalations", "Texts the cascade sent on to its second model", registry=r
+        )
+
         # Series that exist from the start, at 0, so rates and ratios are defined at once.
         self.requests_over_target.labels("/predict")
         for reason in set(REJECTION_REASON_BY_STATUS.values()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -13,7 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api import __version__
 from api.batching import BatchFailed, QueueFull
 from api.batching import DeadlineExceeded as BatchDeadline
-from api.classify import Classified
+from api.cache import ResultCache
+from api.cascade import CASCADE_NAME, Cascade
+from api.classify import Classified, ModelRunner
 from api.errors import (
     ClientGone,
     DeadlineExceeded,
@@ -41,6 +43,7 @@ from api.state import Phase, ServiceState
 
 RETRY_AFTER_LOADING_SECONDS = "5"
 RETRY_SOON = {"Retry-After": "1"}
+Answer = TypeVar("Answer")
 ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 503, 504)
 }
@@ -61,44 +64,84 @@ State = Annotated[ServiceState, Depends(service_state)]
 async def predict(
     body: PredictRequest, request: Request, state: State, response: Response
 ) -> PredictResponse:
-    """Classifies one text or a list of texts."""
+    """Classifies one text or a list of texts, with one model or the cascade."""
     if not state.serving:
         raise Unavailable(
             f"service is {state.phase.value}", {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
         )
     texts = body.texts
     check_limits(texts, state)
+    cache = state.cache if body.cache else None
+    timeout = state.settings.request_timeout_seconds
+    if body.model == CASCADE_NAME:
+        cascade = pick_cascade(state, body.adapter)
+        labels = cascade.first.served.loaded.labels
+        work = cascade.classify(texts, body.truncate, cache, timeout)
+    else:
+        runner, adapter = pick_runner(state, body.model, body.adapter)
+        labels = runner.served.loaded.labels
+        work = single(runner, texts, adapter, body.truncate, cache, timeout)
+        response.headers["X-Adapter"] = adapter or ""
+    result, answered_by = await answer(request, work)
+    for name in set(answered_by):
+        adapter_name = state.runners[name].served.loaded.spec.active_default_adapter
+        chosen = adapter_name if body.model == CASCADE_NAME else body.adapter or adapter_name
+        state.metrics.predictions.labels(name, chosen or "none").inc(answered_by.count(name))
+    response.headers["X-Model"] = body.model or answered_by[0]
+    response.headers["X-Answered-By"] = ",".join(answered_by)
+    response.headers["X-Cache"] = result.cache_header()
+    ranked = [rank(labels, s, body.raw_scores, body.top_k) for s in result.scores]
+    return ranked[0] if isinstance(body.inputs, str) else ranked
+
+
+def pick_runner(
+    state: ServiceState, model: str | None, adapter: str | None
+) -> tuple[ModelRunner, str | None]:
+    """The named model's runner and the adapter the request gets; 404 for unknown names."""
     try:
-        runner = state.runners[state.registry.get(body.model).name]
-        adapter = Registry.adapter_for(runner.served, body.adapter)
+        runner = state.runners[state.registry.get(model).name]
+        return runner, Registry.adapter_for(runner.served, adapter)
     except UnknownName as exc:
         raise NotFound(str(exc)) from None
-    work = runner.classify(
-        texts,
-        adapter,
-        body.truncate,
-        state.cache if body.cache else None,
-        state.settings.request_timeout_seconds,
-    )
+
+
+def pick_cascade(state: ServiceState, adapter: str | None) -> Cascade:
+    """The cascade, which uses each model's default adapter."""
+    if state.cascade is None:
+        raise NotFound(f"no {CASCADE_NAME!r}: it needs two models")
+    if adapter is not None:
+        raise InvalidInput("the cascade uses each model's default adapter: send no adapter")
+    return state.cascade
+
+
+async def single(
+    runner: ModelRunner,
+    texts: list[str],
+    adapter: str | None,
+    truncate: bool,
+    cache: ResultCache | None,
+    timeout: float,
+) -> tuple[Classified, list[str]]:
+    """One model answers every text."""
+    result = await runner.classify(texts, adapter, truncate, cache, timeout)
+    return result, [runner.served.name] * len(texts)
+
+
+async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
+    """Runs the work; the batcher's and tokenizer's refusals become HTTP errors."""
     try:
-        result = await until_disconnect(request, work)
+        return await until_disconnect(request, work)
     except TextTooLong as exc:
         raise InvalidInput(str(exc)) from None
     except QueueFull as exc:
-        raise Overloaded(f"model {runner.served.name!r} is busy: {exc}", RETRY_SOON) from None
+        raise Overloaded(f"model is busy: {exc}", RETRY_SOON) from None
     except BatchDeadline as exc:
         raise DeadlineExceeded(str(exc)) from None
     except BatchFailed as exc:
         raise InferenceFailed(f"inference failed: {exc}", RETRY_SOON) from None
-    state.metrics.predictions.labels(runner.served.name, adapter or "none").inc(len(texts))
-    response.headers["X-Model"] = runner.served.name
-    response.headers["X-Adapter"] = adapter or ""
-    response.headers["X-Cache"] = result.cache_header()
-    ranked = [rank(runner.served, s, body.raw_scores, body.top_k) for s in result.scores]
-    return ranked[0] if isinstance(body.inputs, str) else ranked
 
 
-async def until_disconnect(request: Request, work: Coroutine[Any, Any, Classified]) -> Classified:
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
     """Runs `work` unless the client goes first; then it is cancelled, and its queued texts
     are dropped unrun (uvicorn itself does not cancel a handler whose client has gone)."""
     task = asyncio.ensure_future(work)
@@ -133,10 +176,10 @@ def check_limits(texts: list[str], state: ServiceState) -> None:
             )
 
 
-def rank(served: ServedModel, scores: Scores, raw: bool, top_k: int | None) -> list[LabelScore]:
+def rank(labels: list[str], scores: Scores, raw: bool, top_k: int | None) -> list[LabelScore]:
     """Labels with their scores, best first."""
     values = scores.logits if raw else scores.probabilities
-    pairs = sorted(zip(served.loaded.labels, values, strict=True), key=lambda p: -p[1])
+    pairs = sorted(zip(labels, values, strict=True), key=lambda p: -p[1])
     return [LabelScore(label=label, score=score) for label, score in pairs[:top_k]]
 
 

@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     hf_home: Path | None = Field(
         None, description="Hugging Face cache root (put it on an SSD); hub ids resolve here."
     )
+    model_cache_dir: Path = Field(
+        Path(".cache/models"), description="Where models converted at start-up (GGUF) are kept."
+    )
     offline: bool = Field(
         True, description="Never reach the model hub: resolve hub ids from the local cache only."
     )
@@ -141,6 +144,20 @@ class Settings(BaseSettings):
     )
     disk_cache_ttl_seconds: float | None = Field(
         None, gt=0, description="Disk entries expire after this long; unset keeps them."
+    )
+
+    # --- cascade (request model "cascade") ---
+    cascade_first_model: str | None = Field(
+        None, description="Cascade's cheap model; unset: the first declared model."
+    )
+    cascade_second_model: str | None = Field(
+        None, description="Cascade's second model; unset: the second declared, if any."
+    )
+    cascade_threshold: float = Field(
+        0.9,
+        ge=0.5,
+        le=1.0,
+        description="Texts whose top probability from the first model is below this go on.",
     )
 
     latency_target_seconds: float = Field(

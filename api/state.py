@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from api.cache import ResultCache
+from api.cascade import Cascade
 from api.classify import ModelRunner
 from api.metrics import Metrics
 from api.models.registry import Registry
@@ -30,6 +31,7 @@ class ServiceState:
     phase: Phase = Phase.LOADING
     error: str | None = None
     runners: dict[str, ModelRunner] = field(default_factory=dict)
+    cascade: Cascade | None = None
     in_flight: int = 0  # HTTP requests being handled, for the drain on shutdown
 
     @property

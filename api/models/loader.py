@@ -102,7 +102,9 @@ def max_memory_map(settings: Settings, device: torch.device) -> dict[int | str, 
 
 
 def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | None]:
-    """The local folder of the base, from a path or from the Hugging Face cache."""
+    """The local folder of the base: a path, a GGUF conversion, or the Hugging Face cache."""
+    if spec.gguf is not None:
+        return converted_folder(spec, settings), spec.gguf.sha256[:12]
     local = Path(spec.base)
     if local.is_absolute():
         if not local.is_dir():
@@ -126,6 +128,21 @@ def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | Non
             f"not in the Hugging Face cache ({cache_dir or 'default HF_HOME'}) and OFFLINE=true",
         ) from None
     return Path(folder), Path(folder).name
+
+
+def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
+    """The safetensors folder made from the spec's GGUF, converting it on first use."""
+    assert spec.gguf is not None
+    folder = settings.model_cache_dir / spec.base
+    if (folder / "config.json").is_file():
+        return folder
+    from api.models.gguf import GgufError, convert_gguf
+
+    logger.info("model %s: converting %s into %s (once)", spec.name, spec.gguf.file, folder)
+    try:
+        return convert_gguf(Path(spec.gguf.file), spec.gguf.sha256, folder)
+    except GgufError as exc:
+        raise LoadError(spec.name, spec.gguf.file, str(exc)) from None
 
 
 def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:

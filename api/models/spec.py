@@ -52,6 +52,15 @@ class AdapterSpec(BaseModel):
         return name
 
 
+class GgufSource(BaseModel):
+    """A GGUF file the base folder is converted from, once, when the folder is missing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str = Field(description="The .gguf file: a path or pkg:<module>/<file>.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Its pinned sha256.")
+
+
 class ModelSpec(BaseModel):
     """One base model with its adapters and how to load it."""
 
@@ -73,6 +82,9 @@ class ModelSpec(BaseModel):
     trust_remote_code: bool = Field(False, description="Run the checkpoint's own model code.")
     weights_sha256: dict[str, str] = Field(
         default_factory=dict, description="Expected sha256 per weight file name."
+    )
+    gguf: GgufSource | None = Field(
+        None, description="Convert this GGUF into MODEL_CACHE_DIR/<base> when that is missing."
     )
     adapters: list[AdapterSpec] = Field(default_factory=list)
     default_adapter: str | None = Field(
@@ -175,6 +187,9 @@ def _with_paths_resolved(spec: ModelSpec, root: Path) -> ModelSpec:
         adapter.model_copy(update={"path": (root / adapter.path).resolve()})
         for adapter in spec.adapters
     ]
+    if spec.gguf is not None:  # base names a folder of the model cache, made at load time
+        gguf = spec.gguf.model_copy(update={"file": resolve_base(spec.gguf.file, root)})
+        return spec.model_copy(update={"gguf": gguf, "adapters": adapters})
     return spec.model_copy(update={"base": resolve_base(spec.base, root), "adapters": adapters})
 
 
