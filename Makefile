@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test lint bench-load train clean
+.PHONY: serve test lint bench bench-load bench-speed bench-throughput train clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,9 +37,25 @@ test: $(INSTALLED)
 train: $(INSTALLED)
 	$(BIN)/python -m scripts.train_spam_adapter
 
-## bench-load: checkpoint load-time benchmark (writes bench/reports/load_time.md)
-bench-load: $(INSTALLED)
+BENCH_INSTALLED := $(VENV)/.installed-bench
+$(BENCH_INSTALLED): $(INSTALLED)
+	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	touch $@
+
+## bench: every benchmark, one after the other (reports in bench/reports/)
+bench: bench-load bench-speed bench-throughput
+
+## bench-load: checkpoint load time, three ways, with peak RSS
+bench-load: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.load_time
+
+## bench-speed: CPU options (quantization, merge, attention, threads) on the default model
+bench-speed: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.speed_options
+
+## bench-throughput: the served model under 1-64 clients vs. a naive server and the raw model
+bench-throughput: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.throughput
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

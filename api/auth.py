@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.errors import Unauthorized
 
 # Probes and scrapers carry no key: these answer without one, and hold nothing secret.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -31,16 +32,4 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         reason = "missing API key" if not given else "wrong API key"
-        body = json.dumps({"error": {"code": "unauthorized", "message": reason}}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await Unauthorized(reason).response()(scope, receive, send)

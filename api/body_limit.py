@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import PayloadTooLarge
 
 
 class BodySizeLimit:
@@ -23,7 +23,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -34,7 +34,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -51,24 +51,8 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        payload = json.dumps(
-            {
-                "error": {
-                    "code": "payload_too_large",
-                    "message": f"request body over {self.max_bytes} bytes",
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body over {self.max_bytes} bytes"
+        # The rest of the body is never read: close the connection rather than drain it.
+        response = PayloadTooLarge(message, {"Connection": "close"}).response()
+        await response(scope, receive, send)

@@ -24,6 +24,10 @@ class ServiceError(Exception):
         self.message = message
         self.headers = headers or {}
 
+    def response(self) -> JSONResponse:
+        """This error as a response; also an ASGI app, for middlewares."""
+        return error_response(self.status_code, self.code, self.message, self.headers)
+
 
 class InvalidInput(ServiceError):
     status_code = 422
@@ -93,7 +97,7 @@ async def _service_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     if exc.status_code >= 500:
         logger.warning("%s: %s", exc.code, exc.message)
-    return error_response(exc.status_code, exc.code, exc.message, exc.headers)
+    return exc.response()
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -247,3 +247,9 @@ def test_speed_options_answer_like_the_default(
     reference = probabilities(Predictor(load_model(spec, make_settings())), "spam")
     predictor = Predictor(load_model(spec, settings), settings.pad_to_multiple_of)
     assert torch.allclose(probabilities(predictor, "spam"), reference, atol=1e-4)
+
+
+def test_dynamic_int8_of_bfloat16_weights_is_refused_with_the_reason(tiny_bert: TinyModel) -> None:
+    spec = spec_for(tiny_bert, adapters=("spam",), quantization="dynamic-int8", dtype="bfloat16")
+    with pytest.raises(LoadError, match="quantizes float32 weights, not bfloat16"):
+        load_model(spec, make_settings())

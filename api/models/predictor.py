@@ -65,13 +65,19 @@ class Predictor:
             pad_to_multiple_of=self.pad_to_multiple_of,
             return_tensors="pt",
         )
-        inputs = {name: tensor.to(self.loaded.device) for name, tensor in inputs.items()}
+        inputs = {name: self._to_device(tensor) for name, tensor in inputs.items()}
         logits = self._model_logits(inputs, adapters).float()
         probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)
         return [
             Scores(tuple(p), tuple(raw))
             for p, raw in zip(probabilities.tolist(), logits.tolist(), strict=True)
         ]
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """On GPU, copies from pinned host memory without blocking the CPU thread."""
+        if self.loaded.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.loaded.device, non_blocking=True)
 
     def predict(
         self, texts: list[str], adapter: str | None = None, truncate: bool = True

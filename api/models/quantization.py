@@ -81,6 +81,10 @@ def check_supported(spec: ModelSpec, device: torch.device, adapter_count: int) -
             raise QuantizationRefused(
                 "quantization 'dynamic-int8' is PyTorch's CPU kernel; on GPU use int8 or nf4"
             )
+        if spec.dtype not in ("auto", "float32"):
+            raise QuantizationRefused(
+                f"quantization 'dynamic-int8' quantizes float32 weights, not {spec.dtype}"
+            )
         if adapter_count > 1:
             raise QuantizationRefused(
                 "quantization 'dynamic-int8' needs the adapter merged into the base, so it "

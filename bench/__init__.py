@@ -1,0 +1,1 @@
+"""Benchmarks: each writes its report into bench/reports/."""

@@ -1,0 +1,37 @@
+"""The GPU path (the users' deployment): 4-bit nf4 + LoRA on CUDA. Needs a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from api.metrics import GpuMemoryCollector
+from api.models.loader import load_model
+from api.models.predictor import Predictor
+from tests.conftest import make_settings, spec_for
+from tests.tiny_models import TinyModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU: bitsandbytes 4-bit on GPU"
+    ),
+]
+
+
+def test_nf4_llama_with_adapters_runs_on_the_gpu_within_max_memory(tiny_llama: TinyModel) -> None:
+    spec = spec_for(tiny_llama, quantization="nf4", compute_dtype="bfloat16")
+    loaded = load_model(spec, make_settings(device="cuda", max_memory_gb=1))
+    assert loaded.device.type == "cuda"
+    assert all(p.device.type == "cuda" for p in loaded.model.parameters())
+    reference = Predictor(load_model(spec_for(tiny_llama), make_settings(device="cpu")))
+    got = Predictor(loaded).predict(["win a free prize"], "spam")[0].probabilities
+    want = reference.predict(["win a free prize"], "spam")[0].probabilities
+    assert got == pytest.approx(want, abs=0.1)
+
+
+def test_gpu_memory_is_reported_per_device(tiny_llama: TinyModel) -> None:
+    load_model(spec_for(tiny_llama, quantization="nf4"), make_settings(device="cuda"))
+    families = {family.name: family for family in GpuMemoryCollector().collect()}
+    allocated = families["loraserve_gpu_memory_allocated_bytes"].samples
+    assert allocated and allocated[0].labels == {"device": "0"} and allocated[0].value > 0
