@@ -45,7 +45,10 @@ OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "dynamic-int8": ({"quantization": "dynamic-int8"}, {}),
     "bnb-int8": ({"quantization": "int8"}, {}),
     "bnb-nf4": ({"quantization": "nf4"}, {}),
+    # The same adapter under two names, rows alternating: the cost of a mixed-adapter batch.
+    "mixed-2-adapters": ({}, {}),
 }
+MIXED = "mixed-2-adapters"
 
 
 @dataclass
@@ -78,6 +81,11 @@ def measure(option: str, threads: int, repeats: int) -> Result:
     (spec,) = load_models_file(None)
     # Every option starts from fp32 without quantization, whatever models.yaml serves.
     spec = spec.model_copy(update={"quantization": "none", "dtype": "float32", **spec_changes})
+    names: list[str | None] = [None]
+    if option == MIXED:
+        twin = spec.adapters[0].model_copy(update={"name": "twin"})
+        spec = spec.model_copy(update={"adapters": [spec.adapters[0], twin]})
+        names = [spec.adapters[0].name, twin.name]
     torch.set_num_threads(threads)
     loaded = load_model(spec, settings)
     predictor = Predictor(loaded, settings.pad_to_multiple_of)
@@ -85,12 +93,16 @@ def measure(option: str, threads: int, repeats: int) -> Result:
     texts = [row.text for row in test]
     rows = predictor.encode(texts)
     one, batch = rows[:1], rows[:BATCH]
-    latency_1 = median_ms(lambda: predictor.forward(one, [None]), repeats * 2)
-    latency_32 = median_ms(lambda: predictor.forward(batch, [None] * BATCH), repeats)
+
+    def adapters(count: int) -> list[str | None]:
+        return [names[index % len(names)] for index in range(count)]
+
+    latency_1 = median_ms(lambda: predictor.forward(one, adapters(1)), repeats * 2)
+    latency_32 = median_ms(lambda: predictor.forward(batch, adapters(BATCH)), repeats)
     correct = 0
     for start in range(0, len(rows), BATCH):
         chunk = rows[start : start + BATCH]
-        scores = predictor.forward(chunk, [None] * len(chunk))
+        scores = predictor.forward(chunk, adapters(len(chunk)))
         for row, score in zip(test[start : start + BATCH], scores, strict=True):
             predicted = score.probabilities.index(max(score.probabilities))
             correct += int(predicted == row.label)

@@ -1,0 +1,99 @@
+"""GET routes that say what the service is doing: /models, /health, /ready, /info, /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api import __version__
+from api.models.registry import ServedModel
+from api.routes.common import RETRY_AFTER_LOADING_SECONDS, State
+from api.schemas import (
+    HealthResponse,
+    InfoResponse,
+    ModelInfo,
+    ModelProgress,
+    ModelsResponse,
+    ReadyResponse,
+)
+from api.state import Phase
+
+router = APIRouter()
+
+
+@router.get("/models", response_model=ModelsResponse)
+async def models(state: State) -> ModelsResponse:
+    """What is loaded: base, adapters, quantization, dtype, device, load time by phase."""
+    return ModelsResponse(models=[model_info(served) for served in state.registry.in_order()])
+
+
+def model_info(served: ServedModel) -> ModelInfo:
+    """One model's entry in /models."""
+    loaded, spec = served.loaded, served.loaded.spec
+    mode = "merged" if loaded.merged else ("unmerged" if loaded.adapters else "none")
+    return ModelInfo(
+        name=spec.name,
+        base=spec.base,
+        revision=loaded.revision,
+        architecture=loaded.architecture,
+        quantization=spec.quantization,
+        dtype=loaded.dtype,
+        device=str(loaded.device),
+        labels=loaded.labels,
+        max_length=spec.max_length,
+        adapters=loaded.adapters,
+        default_adapter=spec.active_default_adapter,
+        adapter_mode=mode,
+        weight_bytes=loaded.weight_bytes,
+        load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},
+        fingerprint=served.fingerprint(spec.active_default_adapter),
+    )
+
+
+@router.get("/health", response_model=HealthResponse)
+async def health() -> HealthResponse:
+    """Alive: the process answers. Says nothing of the models."""
+    return HealthResponse(status="ok")
+
+
+@router.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
+async def ready(state: State) -> JSONResponse:
+    """200 once every model is loaded and warmed up; 503 with progress before, or draining."""
+    registry = state.registry
+    body = ReadyResponse(
+        status=state.phase.value,
+        loaded=len(registry.models),
+        total=len(registry.specs),
+        models={
+            name: ModelProgress(state=p.state, seconds=round(p.seconds, 3))
+            for name, p in registry.progress.items()
+        },
+        error=state.error,
+    )
+    ok = state.phase is Phase.READY
+    headers = None if ok else {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503, headers=headers)
+
+
+@router.get("/info", response_model=InfoResponse)
+async def info(state: State) -> InfoResponse:
+    """The service's version, models and request limits."""
+    settings = state.settings
+    return InfoResponse(
+        name="loraserve",
+        version=__version__,
+        models=[spec.name for spec in state.registry.specs],
+        max_texts_per_request=settings.max_texts_per_request,
+        max_text_chars=settings.max_text_chars,
+        max_body_bytes=settings.max_body_bytes,
+        latency_target_seconds=settings.latency_target_seconds,
+    )
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(state: State) -> Response:
+    """Prometheus exposition of every metric the service keeps."""
+    if state.cache is not None:
+        state.cache.refresh_gauges()
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
