@@ -91,7 +91,7 @@ class Metrics:
         self.request_duration_seconds = Histogram(
             f"{p}_request_duration_seconds",
             "Time from request to response, at the server",
-            ["route"],
+            ["route", "status"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

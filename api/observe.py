@@ -44,7 +44,7 @@ class RequestMetrics:
             elapsed = time.perf_counter() - started
             self.metrics.requests_in_flight.dec()
             self.state.in_flight -= 1
-            self.metrics.request_duration_seconds.labels(route).observe(elapsed)
+            self.metrics.request_duration_seconds.labels(route, str(status)).observe(elapsed)
             self.metrics.requests.labels(route, str(status)).inc()
             if elapsed > self.target_seconds:
                 self.metrics.requests_over_target.labels(route).inc()

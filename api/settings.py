@@ -126,7 +126,10 @@ class Settings(BaseSettings):
         8192, ge=1, description="Most tokens in one forward pass, padding counted."
     )
     max_batch_wait_seconds: float = Field(
-        0.002, ge=0, description="Longest a text waits for others to fill its batch."
+        0.0,
+        ge=0,
+        description="Longest a text waits for others to fill its batch once the device is "
+        "free; 0 runs what is queued at once (batches still fill while the device is busy).",
     )
     max_queue_size: int = Field(
         256, ge=1, description="Most requests queued or running per model; more get 429."
