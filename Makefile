@@ -29,8 +29,15 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Prometheus and promtool, for the observability tests (Debian's package; needs root or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+TOOLS := $(VENV)/.tools
+$(TOOLS): $(INSTALLED)
+	command -v promtool >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q prometheus)
+	touch $@
+
 ## test: the whole suite (lint included)
-test: $(INSTALLED)
+test: $(INSTALLED) $(TOOLS)
 	$(BIN)/python -m pytest
 
 ## train: retrain the embedded spam adapter (artifacts/spam-minilm)
