@@ -39,6 +39,23 @@ def status_kib(field: str) -> int:
     return 0
 
 
+def touch(tensors: Any) -> int:
+    """Reads one value from every 4 KiB page of every tensor, and returns their bytes.
+
+    safetensors and torch.load map files lazily: "loaded" weights are read only when first
+    used. Touching every page makes each way pay for the bytes, as the first forward would.
+    """
+    import torch
+
+    total = 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        step = max(1, 4096 // flat.element_size())
+        torch.sum(flat[::step].float())
+        total += flat.numel() * flat.element_size()
+    return total
+
+
 def worker(way: str, folder: Path) -> dict[str, Any]:
     """One cold load in this process; returns seconds and memory."""
     start = time.perf_counter()
@@ -61,7 +78,7 @@ def worker(way: str, folder: Path) -> dict[str, Any]:
         tensors = {}
         for path in sorted(folder.glob("*.safetensors")):
             tensors.update(load_file(path))
-        loaded = sum(t.numel() * t.element_size() for t in tensors.values())
+        loaded = touch(tensors.values())
     else:
         model = model_class.from_pretrained(
             folder,
@@ -70,7 +87,7 @@ def worker(way: str, folder: Path) -> dict[str, Any]:
             use_safetensors=way != "pickle",
             low_cpu_mem_usage=way != "safetensors-no-lowmem",
         )
-        loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+        loaded = touch(model.parameters())
     done = time.perf_counter()
     return {
         "import_seconds": imported - start,
@@ -265,8 +282,9 @@ def report(results: dict[str, Any], service: dict[str, Any], meta: dict[str, Any
         f"Machine: {cpu}, {os.cpu_count()} cores, {memory:.0f} GiB. Date: {meta['date']}. "
         f"Load average before: {meta['load_average']}. Each figure: median (min–max) of the "
         "runs, each run a fresh Python process, page cache warm; load time excludes the "
-        "import of torch and transformers (reported apart). Peak RSS is the worker's whole "
-        "process.",
+        "import of torch and transformers (reported apart) and includes reading every page "
+        "of every weight once (files are mapped lazily: untouched, a load reads nothing). "
+        "Peak RSS is the worker's whole process (VmHWM).",
         "",
         "| checkpoint | way | load s, median (min–max) | import s | weight files (MB) | "
         "RSS before load (MiB) | peak RSS (MiB) |",

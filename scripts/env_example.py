@@ -13,6 +13,20 @@ HEADER = """\
 # <MODEL>_ADAPTER_DIR (e.g. EXAONE_ADAPTER_DIR for a model named "exaone"); they override that
 # model's default adapter path in the models file.
 """
+# Read by compose.yaml, not by the service.
+STACK = """\
+# --- docker compose stack (compose.yaml) ---
+# Host port of the service.
+API_PORT=8000
+# Host port of Prometheus, and how long it keeps samples.
+PROMETHEUS_PORT=9090
+PROMETHEUS_RETENTION=15d
+# Host port of Grafana, its admin login (change the password), and read-only anonymous access.
+GRAFANA_PORT=3000
+GRAFANA_ADMIN_USER=admin
+GRAFANA_ADMIN_PASSWORD=admin
+GRAFANA_ANONYMOUS=true
+"""
 OUTPUT = Path(__file__).resolve().parents[1] / ".env.example"
 
 
@@ -35,7 +49,7 @@ def render() -> str:
             else str(default)
         )
         lines.append(f"# {field.description}\n{name.upper()}={shown}\n")
-    return "\n".join(lines)
+    return "\n".join([*lines, STACK])
 
 
 def main() -> int:

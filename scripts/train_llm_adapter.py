@@ -45,6 +45,7 @@ import numpy as np
 import peft
 import torch
 import transformers
+import transformers.utils.logging as hf_logging
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from transformers import (
     AutoModelForSequenceClassification,
@@ -886,6 +887,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # Each served load prints transformers' load report (the `score` head is new, by design).
+    hf_logging.set_verbosity_error()
     out_dir: Path = args.out
     eval_path, card_path = out_dir / "eval.json", out_dir / "MODEL_CARD.md"
     if args.card_only:
