@@ -1,16 +1,25 @@
 """Served throughput and latency under 1–64 clients, against a naive server and the raw model.
 
-Run: `python -m bench.throughput` (or `make bench-throughput`). Writes bench/reports/
-throughput.{md,json,png}. In one run, with the same texts and thread count:
+Run: `python -m bench.throughput` (or `make bench-throughput`); `--quick` is a smoke run of
+about a minute that writes into bench/out/throughput-quick/ instead. It needs `wrk`
+(`apt-get install -y wrk`) and, for the plot, matplotlib (`pip install matplotlib`, or the
+project's `bench` extra). Writes bench/reports/throughput.{md,json,png}. In one run, with the
+same texts and the same torch thread count (TORCH_NUM_THREADS, default: every core):
 
-- served: the real server process (cache off, default batching), one text per request;
+- served: the real server process (`python -m api.cli`, cache off, default batching), one
+  text per request;
 - naive:  the same server with MAX_BATCH_SIZE=1 — one forward per request, no batching;
-- raw:    the model alone in this process, batches of 32 in a loop, no HTTP: its own limit;
-- cache hit: the server with the LRU on, one text repeated, timed at the server.
+- raw:    the model alone (bench/raw_model.py, its own process, no HTTP): forwards of 32
+  pre-tokenized texts in a loop — the model's own limit;
+- cache hit: the server with default settings (LRU on), one text repeated by one client,
+  timed by the server's own request histogram.
 
-The load comes from `wrk` (a compiled client: a Python client would take a good part of one
-of the two cores from the server), on loopback only. Served and naive alternate at each
-concurrency, so drift on the machine hits both alike.
+The load comes from `wrk` with bench/wrk/predict.lua, on 127.0.0.1 only: a compiled client,
+because a Python client would take a good part of one of the two cores from the server.
+Served and naive run side by side (the idle one costs nothing) and alternate at each
+concurrency, so a drift on the machine hits both alike. Per point the report also keeps what
+explains the numbers: the mean batch size and how busy the model was (from the server's
+/metrics), and the cores used by the server, by wrk, and by anything else on the machine.
 """
 
 from __future__ import annotations
@@ -18,42 +27,168 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "bench" / "reports"
-WORK = REPO / "bench" / "out"
 LUA = REPO / "bench" / "wrk" / "predict.lua"
 DATA = REPO / "data" / "sms_spam_collection.tsv"
+WORK = REPO / "bench" / "out" / "throughput"  # git-ignored: bodies, server logs, disk cache
+
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
+NAIVE = {"MAX_BATCH_SIZE": "1"}
+# The targets this report is judged on.
+TARGET_CLIENTS = 32
+TARGET_VS_NAIVE = 3.0
+TARGET_VS_RAW = 0.8
+TARGET_P99_MS = 2000.0
+TARGET_CACHE_HIT_MS = 2.0
+BUSY_LOAD = 1.0  # a 1-min load average above this means someone else is using the cores
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one run measures and for how long."""
+
+    concurrency: list[int]
+    duration: float
+    warmup: float
+    threads: int
+    texts: int
+    cache_seconds: float
+    load_wait: float
+    out: Path
+    served_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    url: str
+    pid: int
+    log: Path
 
 
 @dataclass
 class Point:
+    """One system under one concurrency: what wrk saw, and what the server said about it."""
+
     system: str
     clients: int
+    seconds: float
+    requests: int
     requests_per_s: float
     p50_ms: float
+    p90_ms: float
     p99_ms: float
-    non_2xx: int
+    max_ms: float
+    statuses: dict[str, int]
+    non_200: int
     socket_errors: int
+    server_mean_ms: float  # the server's own request histogram, Δsum/Δcount
+    mean_batch: float  # texts per forward
+    model_busy: float  # share of the wall time a forward was running
+    padded_tokens_per_text: float
+    server_cores: float  # CPU seconds per second of the server process
+    client_cores: float  # … of wrk
+    other_cores: float  # … of everything else on the machine
 
 
-def texts(count: int) -> list[str]:
+@dataclass(frozen=True)
+class CacheHit:
+    requests: int
+    lru_hits: int
+    server_mean_ms: float
+    client_p50_ms: float
+    client_p99_ms: float
+    non_200: int
+
+
+# --- the machine -------------------------------------------------------------------------
+
+
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def wait_for_quiet(limit_s: float, poll_s: float = 30.0) -> dict[str, float]:
+    """Waits (up to `limit_s`) until the 1-min load average is at most BUSY_LOAD.
+
+    The bench itself is what should load the two cores; another process (a training run)
+    would make every number lower and noisier. Returns what it saw, for the report.
+    """
+    first = load_average()
+    start = time.monotonic()
+    now = first
+    while now > BUSY_LOAD and time.monotonic() - start < limit_s:
+        print(f"load average {now:.2f} > {BUSY_LOAD}: waiting {poll_s:.0f} s", flush=True)
+        time.sleep(poll_s)
+        now = load_average()
+    return {"first": first, "at_start": now, "waited_s": round(time.monotonic() - start)}
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    kib = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "ram_gib": round(kib / 2**20, 1),
+        "torch": version("torch"),
+        "python": sys.version.split()[0],
+        "client": wrk_version.splitlines()[0].split(" Copyright")[0] if wrk_version else "wrk",
+    }
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds every core has spent not idle since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process, its threads included."""
+    # The command name (field 2) may hold spaces; the fields after it start past ")".
+    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of every finished child process (the wrk runs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+# --- texts and servers ---------------------------------------------------------------------
+
+
+def sample_texts(count: int) -> list[str]:
     """The first `count` distinct texts of the collection, the same for every system."""
     seen: dict[str, None] = {}
     for line in DATA.read_text(encoding="utf-8").splitlines():
@@ -61,6 +196,12 @@ def texts(count: int) -> list[str]:
         if len(seen) == count:
             break
     return list(seen)
+
+
+def write_bodies(texts: list[str], path: Path) -> Path:
+    """One request body a line, for wrk's Lua script and the raw model alike."""
+    path.write_text("".join(json.dumps({"inputs": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
 
 
 def free_port() -> int:
@@ -71,254 +212,514 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(env: dict[str, str], threads: int) -> Iterator[str]:
-    """The real server process on a free loopback port, until the block ends."""
+def server(name: str, env: dict[str, str], threads: int) -> Iterator[RunningServer]:
+    """The real server process on a free loopback port, stopped when the block ends."""
     port = free_port()
-    full = {**os.environ, **env, "HOST": "127.0.0.1", "PORT": str(port)}
-    full["TORCH_NUM_THREADS"] = str(threads)
-    full["DISK_CACHE_DIR"] = str(WORK / "cache")
-    log = (WORK / f"server-{port}.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "api.cli"], cwd=REPO, env=full, stdout=log, stderr=log
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not get ready; see {log.name}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
+    full = {
+        **os.environ,
+        "DISK_CACHE_DIR": str(WORK / "cache"),  # never the repository's own .cache
+        "LOG_LEVEL": "warning",
+        **env,
+        "HOST": "127.0.0.1",
+        "PORT": str(port),
+        "TORCH_NUM_THREADS": str(threads),
+    }
+    log = WORK / f"server-{name}.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "api.cli"], cwd=REPO, env=full, stdout=sink, stderr=sink
+        )
         try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, process, log)
+            yield RunningServer(url, process.pid, log)
+        finally:
+            stop(process)
 
 
-def wrk(url: str, clients: int, seconds: float, bodies: Path) -> dict[str, Any]:
-    """One wrk run; its Lua script prints a JSON summary line."""
+def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}; see {log}")
+        with suppress(httpx.TransportError):
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError(f"server not ready after 180 s; see {log}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server drains, then exits), SIGKILL if it takes too long."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The /metrics series this bench reads, each summed over its labels."""
+    wanted = {
+        "loraserve_request_duration_seconds_sum",
+        "loraserve_request_duration_seconds_count",
+        "loraserve_batch_size_sum",
+        "loraserve_batch_size_count",
+        "loraserve_batch_inference_seconds_sum",
+        "loraserve_batch_tokens_sum",
+    }
+    values = dict.fromkeys(wanted, 0.0)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name not in wanted:
+                continue
+            route, status = sample.labels.get("route"), sample.labels.get("status")
+            if sample.name.startswith("loraserve_request_") and (route, status) != (
+                "/predict",
+                "200",
+            ):
+                continue  # /ready and /metrics polls, and failures, are not the point
+            values[sample.name] += sample.value
+    return values
+
+
+# --- load ----------------------------------------------------------------------------------
+
+
+def run_wrk(url: str, clients: int, seconds: float, bodies: Path) -> dict[str, Any]:
+    """One wrk run (1 thread, `clients` connections); the Lua script's JSON summary."""
+    command = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(seconds))}s", "--latency"]
+    command += ["--timeout", "10s", "-s", str(LUA), url]
     result = subprocess.run(
-        [
-            "wrk",
-            "-t1",
-            f"-c{clients}",
-            f"-d{max(1, round(seconds))}s",
-            "--timeout",
-            "10s",
-            "-s",
-            str(LUA),
-            url,
-        ],
-        env={**os.environ, "BODIES": str(bodies)},
-        capture_output=True,
-        text=True,
-        check=True,
+        command, env={**os.environ, "BODIES": str(bodies)}, capture_output=True, text=True
     )
-    line = next(x for x in result.stdout.splitlines() if x.startswith("{"))
-    summary: dict[str, Any] = json.loads(line)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"wrk failed ({result.returncode}): {result.stderr or result.stdout}")
+    summary: dict[str, Any] = json.loads(lines[-1])
     return summary
 
 
-def point(system: str, clients: int, summary: dict[str, Any]) -> Point:
+def measure(
+    system: str, target: RunningServer, clients: int, config: Config, bodies: Path
+) -> Point:
+    """A warm-up run, then the timed one, with the server's counters read around it."""
+    if config.warmup > 0:
+        run_wrk(target.url, clients, config.warmup, bodies)
+    before = scrape(target.url)
+    cpu = (process_cpu_seconds(target.pid), children_cpu_seconds(), busy_cpu_seconds())
+    summary = run_wrk(target.url, clients, config.duration, bodies)
+    cpu_after = (process_cpu_seconds(target.pid), children_cpu_seconds(), busy_cpu_seconds())
+    after = scrape(target.url)
+    return to_point(system, clients, summary, before, after, cpu, cpu_after)
+
+
+def to_point(
+    system: str,
+    clients: int,
+    summary: dict[str, Any],
+    before: dict[str, float],
+    after: dict[str, float],
+    cpu: tuple[float, float, float],
+    cpu_after: tuple[float, float, float],
+) -> Point:
+    seconds = summary["duration_us"] / 1e6
+    delta = {name: after[name] - before[name] for name in after}
+    answered = delta["loraserve_request_duration_seconds_count"]
+    batches = delta["loraserve_batch_size_count"]
+    texts = delta["loraserve_batch_size_sum"]
+    server_s, client_s, total_s = (b - a for a, b in zip(cpu, cpu_after, strict=True))
+    latency = summary["latency_us"]
+    statuses = {str(k): int(v) for k, v in summary["statuses"].items()}
     return Point(
         system=system,
         clients=clients,
-        requests_per_s=round(summary["requests"] / (summary["duration_us"] / 1e6), 1),
-        p50_ms=round(summary["p50_us"] / 1000, 1),
-        p99_ms=round(summary["p99_us"] / 1000, 1),
-        non_2xx=summary["non_2xx"],
-        socket_errors=summary["socket_errors"],
+        seconds=round(seconds, 2),
+        requests=summary["requests"],
+        requests_per_s=round(summary["requests"] / seconds, 1),
+        p50_ms=round(latency["p50"] / 1000, 1),
+        p90_ms=round(latency["p90"] / 1000, 1),
+        p99_ms=round(latency["p99"] / 1000, 1),
+        max_ms=round(latency["max"] / 1000, 1),
+        statuses=statuses,
+        non_200=sum(count for status, count in statuses.items() if status != "200"),
+        socket_errors=sum(summary["socket_errors"].values()),
+        server_mean_ms=round(
+            1000 * delta["loraserve_request_duration_seconds_sum"] / max(answered, 1), 1
+        ),
+        mean_batch=round(texts / max(batches, 1), 2),
+        model_busy=round(delta["loraserve_batch_inference_seconds_sum"] / seconds, 3),
+        padded_tokens_per_text=round(delta["loraserve_batch_tokens_sum"] / max(texts, 1), 1),
+        server_cores=round(server_s / seconds, 2),
+        client_cores=round(client_s / seconds, 2),
+        other_cores=round(max(0.0, total_s - server_s - client_s) / seconds, 2),
     )
 
 
-def raw_model(sample: list[str], threads: int, seconds: float) -> float:
-    """Texts per second of the model alone: forwards of 32 in a loop, no HTTP."""
-    import torch
-
-    from api.cli import quiet_libraries
-    from api.models.loader import load_model
-    from api.models.predictor import Predictor
-    from api.models.spec import load_models_file
-    from api.settings import Settings
-
-    quiet_libraries()
-    torch.set_num_threads(threads)
-    (spec,) = load_models_file(None)[:1]
-    predictor = Predictor(load_model(spec, Settings(_env_file=None)))  # type: ignore[call-arg]
-    rows = predictor.encode(sample)
-    batches = [rows[i : i + 32] for i in range(0, len(rows) - 31, 32)]
-    predictor.forward(batches[0], [None] * 32)  # warm-up
-    done, index, start = 0, 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        batch = batches[index % len(batches)]
-        predictor.forward(batch, [None] * len(batch))
-        done, index = done + len(batch), index + 1
-    return done / (time.perf_counter() - start)
+def served_and_naive(config: Config, bodies: Path) -> list[Point]:
+    """Both servers up side by side; at each concurrency both run, in alternating order."""
+    points: list[Point] = []
+    threads = config.threads
+    with (
+        server("served", {**CACHE_OFF, **config.served_env}, threads) as served,
+        server("naive", {**CACHE_OFF, **NAIVE}, threads) as naive,
+    ):
+        systems = [("served", served), ("naive", naive)]
+        for index, clients in enumerate(config.concurrency):
+            for system, target in systems if index % 2 == 0 else systems[::-1]:
+                point = measure(system, target, clients, config, bodies)
+                print(json.dumps(asdict(point)), flush=True)
+                points.append(point)
+    return points
 
 
-def cache_hit_ms(url: str, text: str, repeats: int) -> tuple[float, float]:
-    """Server-side mean (from its own histogram) and client p50 of repeated cache hits."""
-    body = {"inputs": text}
-    with httpx.Client(timeout=10) as client:
-        client.post(f"{url}/predict", json=body)  # fills the cache
-        before = server_seconds(client, url)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            response = client.post(f"{url}/predict", json=body)
-            times.append(time.perf_counter() - start)
-            assert response.headers["X-Cache"].startswith("lru=1"), response.headers
-        after = server_seconds(client, url)
-    mean = (after[0] - before[0]) / (after[1] - before[1]) * 1000
-    return round(mean, 3), round(statistics.median(times) * 1000, 3)
+def raw_model(config: Config, bodies: Path) -> dict[str, float]:
+    """bench.raw_model in a process of its own, with the servers stopped."""
+    env = {**os.environ, "TORCH_NUM_THREADS": str(config.threads), "LOG_LEVEL": "warning"}
+    command = [sys.executable, "-m", "bench.raw_model", str(bodies)]
+    command += ["--threads", str(config.threads), "--seconds", str(config.duration)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"bench.raw_model failed ({result.returncode}): {result.stderr}")
+    raw: dict[str, float] = json.loads(lines[-1])
+    print(json.dumps({"raw": raw}), flush=True)
+    return raw
 
 
-def server_seconds(client: httpx.Client, url: str) -> tuple[float, float]:
-    """(sum, count) of /predict's request-duration histogram, 200s only."""
-    values = {"sum": 0.0, "count": 0.0}
-    for line in client.get(f"{url}/metrics").text.splitlines():
-        for kind in values:
-            prefix = f'loraserve_request_duration_seconds_{kind}{{route="/predict",status="200"}}'
-            if line.startswith(prefix):
-                values[kind] = float(line.split()[-1])
-    return values["sum"], values["count"]
+def cache_hit(config: Config, text: str) -> CacheHit:
+    """The server as shipped (LRU on); one text sent once, then repeated by one client."""
+    single = write_bodies([text], WORK / "one-body.jsonl")
+    with server("cache", {}, config.threads) as target:
+        filled = httpx.post(f"{target.url}/predict", json={"inputs": text}, timeout=10)
+        filled.raise_for_status()
+        before = scrape(target.url)
+        summary = run_wrk(target.url, 1, config.cache_seconds, single)
+        after = scrape(target.url)
+    total, answered = (
+        after[f"loraserve_request_duration_seconds_{kind}"]
+        - before[f"loraserve_request_duration_seconds_{kind}"]
+        for kind in ("sum", "count")
+    )
+    hit = CacheHit(
+        requests=summary["requests"],
+        lru_hits=summary["lru_hits"],
+        server_mean_ms=round(1000 * total / max(answered, 1), 3),
+        client_p50_ms=round(summary["latency_us"]["p50"] / 1000, 3),
+        client_p99_ms=round(summary["latency_us"]["p99"] / 1000, 3),
+        non_200=sum(int(n) for s, n in summary["statuses"].items() if s != "200"),
+    )
+    print(json.dumps({"cache_hit": asdict(hit)}), flush=True)
+    return hit
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    import torch
-
-    return f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB, torch {torch.__version__}"
+# --- the report ----------------------------------------------------------------------------
 
 
-def report(points: list[Point], raw: float, hit: tuple[float, float], meta: dict[str, Any]) -> str:
+def targets(points: list[Point], raw: dict[str, float], hit: CacheHit) -> list[dict[str, Any]]:
+    """Each target with the measured value and whether it is met."""
+    served = {p.clients: p for p in points if p.system == "served"}
+    naive = {p.clients: p for p in points if p.system == "naive"}
+    found: list[dict[str, Any]] = []
+    if TARGET_CLIENTS in served and TARGET_CLIENTS in naive:
+        at = served[TARGET_CLIENTS].requests_per_s
+        vs_naive = at / naive[TARGET_CLIENTS].requests_per_s
+        vs_raw = at / raw["batch32"]
+        name = f"at {TARGET_CLIENTS} clients"
+        found.append(
+            target(f"served ≥ {TARGET_VS_NAIVE:g}× naive {name}", vs_naive, TARGET_VS_NAIVE)
+        )
+        found.append(target(f"served ≥ {TARGET_VS_RAW:g}× raw {name}", vs_raw, TARGET_VS_RAW))
+    worst = max(p.p99_ms for p in served.values())
+    failed = sum(p.non_200 + p.socket_errors for p in points) + hit.non_200
+    found += [
+        {
+            "target": f"served p99 < {TARGET_P99_MS / 1000:g} s at every concurrency",
+            "measured": f"worst {worst:.0f} ms",
+            "met": worst < TARGET_P99_MS,
+        },
+        {
+            "target": f"cache hit < {TARGET_CACHE_HIT_MS:g} ms at the server",
+            "measured": f"{hit.server_mean_ms:.3f} ms",
+            "met": hit.server_mean_ms < TARGET_CACHE_HIT_MS,
+        },
+        {
+            "target": "no failed request (non-200, socket error)",
+            "measured": str(failed),
+            "met": failed == 0,
+        },
+    ]
+    return found
+
+
+def target(name: str, ratio: float, at_least: float) -> dict[str, Any]:
+    return {"target": name, "measured": f"{ratio:.2f}×", "met": ratio >= at_least}
+
+
+def table(points: list[Point], raw: dict[str, float]) -> list[str]:
     served = {p.clients: p for p in points if p.system == "served"}
     naive = {p.clients: p for p in points if p.system == "naive"}
     lines = [
-        "# Throughput: the served model vs. a naive server and the raw model",
-        "",
-        f"Machine: {meta['machine']}. Date: {meta['date']}. Load average before: "
-        f"{meta['load_average']}. Client: wrk 4.1 (1 thread, N connections, {meta['seconds']} s "
-        f"per point after a {meta['warmup_seconds']} s warm-up), loopback. Model: the embedded "
-        f"default ({meta['model']}), {meta['threads']} torch threads, cache off, one text per "
-        f"request, {meta['texts']} distinct SMS texts.",
-        "",
-        "| clients | served req/s | served p50 (ms) | served p99 (ms) | naive req/s | "
-        "naive p50 (ms) | naive p99 (ms) | served / naive | served / raw |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| clients | served req/s | served p50 ms | served p99 ms | naive req/s | naive p50 ms "
+        "| naive p99 ms | served / naive | served / raw |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for clients in sorted(served):
+    for clients in sorted(set(served) & set(naive)):
         s, n = served[clients], naive[clients]
         lines.append(
-            f"| {clients} | {s.requests_per_s} | {s.p50_ms} | {s.p99_ms} | {n.requests_per_s} | "
-            f"{n.p50_ms} | {n.p99_ms} | {s.requests_per_s / n.requests_per_s:.2f} | "
-            f"{s.requests_per_s / raw:.2f} |"
+            f"| {clients} | {s.requests_per_s:.1f} | {s.p50_ms:.1f} | {s.p99_ms:.1f} "
+            f"| {n.requests_per_s:.1f} | {n.p50_ms:.1f} | {n.p99_ms:.1f} "
+            f"| {s.requests_per_s / n.requests_per_s:.2f} "
+            f"| {s.requests_per_s / raw['batch32']:.2f} |"
         )
-    errors = sum(p.non_2xx + p.socket_errors for p in points)
-    lines += [
+    return lines
+
+
+def diagnostics(points: list[Point]) -> list[str]:
+    lines = [
+        "| system | clients | mean batch | model busy | padded tokens / text | server cores "
+        "| wrk cores | other cores | server mean ms | statuses | socket errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for p in sorted(points, key=lambda p: (p.system != "served", p.clients)):
+        statuses = ", ".join(f"{s}: {n}" for s, n in sorted(p.statuses.items()))
+        lines.append(
+            f"| {p.system} | {p.clients} | {p.mean_batch:.1f} | {p.model_busy:.0%} "
+            f"| {p.padded_tokens_per_text:.1f} | {p.server_cores:.2f} | {p.client_cores:.2f} "
+            f"| {p.other_cores:.2f} | {p.server_mean_ms:.1f} | {statuses} | {p.socket_errors} |"
+        )
+    return lines
+
+
+def markdown(
+    points: list[Point],
+    raw: dict[str, float],
+    hit: CacheHit,
+    found: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> str:
+    m, config = meta["machine"], meta["config"]
+    load = meta["load_average"]
+    lines = [
+        "# Throughput: the served model vs. a naive server and the raw model",
         "",
-        f"Raw model (batches of 32 in a loop, no HTTP): **{raw:.1f} texts/s**.",
-        f"Cache hit (LRU): **{hit[0]} ms** mean at the server (its own request histogram), "
-        f"{hit[1]} ms median at the client.",
-        f"Non-2xx responses and socket errors over the whole run: {errors}.",
+        f"Written by `{meta['command']}` on {meta['date']}.",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Python "
+        f"{m['python']}, torch {m['torch']}; {config['threads']} torch threads everywhere.",
+        f"- Load average (1 min) before the run: {load['first']:.2f}; at the start "
+        f"{load['at_start']:.2f} after waiting {load['waited_s']} s (the run waits, up to "
+        f"{config['load_wait']:.0f} s, for it to be ≤ {BUSY_LOAD}).",
+        f"- Client: {m['client']}, 1 thread, N connections (= clients), each request one text "
+        f'`{{"inputs": "…"}}` cycling through {config["texts"]} distinct SMS texts; '
+        f"{config['duration']:g} s per point after a {config['warmup']:g} s warm-up; "
+        "127.0.0.1 only.",
+        f"- Model: {meta['model']}. served and naive: `python -m api.cli` with "
+        "LRU_CACHE_ENTRIES=0, DISK_CACHE_MAX_BYTES=0; naive adds MAX_BATCH_SIZE=1"
+        + (
+            f"; served adds {', '.join(f'{k}={v}' for k, v in config['served_env'].items())}"
+            if config["served_env"]
+            else ""
+        )
+        + ". The two run side by side and alternate at each concurrency.",
+        "",
+        "## Throughput and latency",
+        "",
+        "Requests/s = texts/s (one text a request). Latency is wrk's, at the client.",
+        "",
+        *table(points, raw),
+        "",
+        f"Raw model (no HTTP, one process, pre-tokenized, {config['duration']:g} s each): "
+        f"**{raw['batch32']:.1f} texts/s** at batch 32 in the texts' order (the 'raw' above); "
+        f"{raw['batch32_sorted']:.1f} texts/s at batch 32 with the texts sorted by length "
+        f"(almost no padding: the best case for any batcher); {raw['batch1']:.1f} texts/s at "
+        f"batch 1 (the most a server without batching could do). Mean text length "
+        f"{raw['mean_tokens']:.1f} tokens.",
+        "",
+        f"Cache hit (server as shipped, LRU on; one text sent once, then repeated by one wrk "
+        f"connection for {config['cache_seconds']:g} s, {hit.requests} requests, "
+        f"{hit.lru_hits} answered by the LRU): **{hit.server_mean_ms:.3f} ms** mean at the "
+        f"server (Δsum/Δcount of `loraserve_request_duration_seconds`), client p50 "
+        f"{hit.client_p50_ms:.3f} ms, p99 {hit.client_p99_ms:.3f} ms.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        *(
+            f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |"
+            for t in found
+        ),
+        "",
+        "## What the server did (from its /metrics, and CPU time from /proc)",
+        "",
+        "Mean batch: texts per forward. Model busy: the share of the wall time a forward was "
+        "running. Cores: CPU seconds per second of the server process, of wrk, and of "
+        f"everything else (of {m['cores']}).",
+        "",
+        *diagnostics(points),
+        "",
+        "Plot: [throughput.png](throughput.png) (needs matplotlib: `pip install matplotlib`).",
     ]
     return "\n".join(lines) + "\n"
 
 
-def plot(points: list[Point], raw: float, path: Path) -> None:
-    import matplotlib
+def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
+    """Throughput, latency and batch size against clients; False when matplotlib is absent."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: skipping the plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.4))
     for system, style in (("served", "o-"), ("naive", "s--")):
         mine = sorted((p for p in points if p.system == system), key=lambda p: p.clients)
         xs = [p.clients for p in mine]
         left.plot(xs, [p.requests_per_s for p in mine], style, label=system)
-        right.plot(xs, [p.p99_ms for p in mine], style, label=f"{system} p99")
-        right.plot(xs, [p.p50_ms for p in mine], style, alpha=0.4, label=f"{system} p50")
-    left.axhline(raw, color="grey", linestyle=":", label="raw model (batch 32)")
-    left.set(xscale="log", xlabel="concurrent clients", ylabel="texts per second")
-    right.axhline(2000, color="red", linestyle=":", label="2 s target")
-    right.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (ms)")
-    for axis in (left, right):
-        axis.set_xticks([1, 4, 16, 32, 64], labels=["1", "4", "16", "32", "64"])
+        middle.plot(xs, [p.p99_ms for p in mine], style, label=f"{system} p99")
+        middle.plot(xs, [p.p50_ms for p in mine], style, alpha=0.4, label=f"{system} p50")
+        right.plot(xs, [p.mean_batch for p in mine], style, label=system)
+    left.axhline(raw["batch32"], color="grey", linestyle=":", label="raw, batch 32")
+    left.axhline(raw["batch32_sorted"], color="green", linestyle=":", label="raw, 32 by length")
+    left.axhline(raw["batch1"], color="brown", linestyle=":", label="raw, batch 1")
+    left.set(xlabel="concurrent clients", ylabel="texts per second", ylim=(0, None))
+    middle.axhline(TARGET_P99_MS, color="red", linestyle=":", label="2 s target")
+    middle.set(yscale="log", xlabel="concurrent clients", ylabel="latency at the client (ms)")
+    right.set(xlabel="concurrent clients", ylabel="mean texts per forward")
+    clients = sorted({p.clients for p in points})
+    for axis in (left, middle, right):
+        axis.set_xscale("log")
+        axis.set_xticks(clients, labels=[str(c) for c in clients])
+        axis.minorticks_off()
         axis.legend(fontsize=8)
         axis.grid(alpha=0.3)
-    figure.suptitle("loraserve on 2 CPU cores: all-MiniLM-L6-v2 + spam LoRA, one text a request")
+    figure.suptitle("loraserve, one text a request: served (dynamic batching) vs. naive vs. raw")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--warmup-seconds", type=float, default=2.0)
-    parser.add_argument("--clients", default="1,4,16,32,64")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--texts", type=int, default=2000)
-    args = parser.parse_args()
-    if shutil.which("wrk") is None:
-        sys.exit("wrk is needed: apt-get install -y wrk")
-    WORK.mkdir(parents=True, exist_ok=True)
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    sample = texts(args.texts)
-    bodies = WORK / "bodies.jsonl"
-    bodies.write_text("".join(json.dumps({"inputs": t}) + "\n" for t in sample), encoding="utf-8")
-    load_average = Path("/proc/loadavg").read_text().split(" ")[0]
+def model_name() -> str:
+    """The embedded default as the report names it, read from its declaration."""
+    from api.models.spec import load_models_file
 
-    points: list[Point] = []
-    systems = {"served": CACHE_OFF, "naive": {**CACHE_OFF, "MAX_BATCH_SIZE": "1"}}
-    with (
-        server(systems["served"], args.threads) as served_url,
-        server(systems["naive"], args.threads) as naive_url,
-    ):
-        urls = {"served": served_url, "naive": naive_url}
-        for clients in (int(c) for c in args.clients.split(",")):
-            for system, url in urls.items():  # A B at each point, the other server idle
-                wrk(url, clients, args.warmup_seconds, bodies)
-                result = point(system, clients, wrk(url, clients, args.seconds, bodies))
-                print(json.dumps(asdict(result)), flush=True)
-                points.append(result)
-    raw = raw_model(sample[:512], args.threads, args.seconds)
-    print(json.dumps({"raw_texts_per_s": raw}), flush=True)
-    with server({}, args.threads) as url:
-        hit = cache_hit_ms(url, sample[0], 300)
-    meta = {
-        "machine": machine(),
-        "date": f"{datetime.now(timezone.utc):%Y-%m-%d}",
-        "load_average": load_average,
-        "seconds": args.seconds,
-        "warmup_seconds": args.warmup_seconds,
-        "threads": args.threads,
-        "texts": len(sample),
-        "model": "all-MiniLM-L6-v2 + spam LoRA, dynamic int8",
-    }
-    text = report(points, raw, hit, meta)
-    (REPORTS / "throughput.md").write_text(text, encoding="utf-8")
-    (REPORTS / "throughput.json").write_text(
-        json.dumps(
-            {"meta": meta, "points": [asdict(p) for p in points], "raw": raw, "cache_hit": hit},
-            indent=2,
-        ),
-        encoding="utf-8",
+    spec = load_models_file(None)[0]
+    adapters = "+".join(a.name for a in spec.adapters) or "no adapter"
+    return f"{spec.name} ({Path(spec.base).name}, adapter {adapters}, {spec.quantization})"
+
+
+def write(out: Path, text: str, data: dict[str, Any], points: list[Point], raw: Any) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.md").write_text(text, encoding="utf-8")
+    (out / "throughput.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    plot(points, raw, out / "throughput.png")
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, help="timed seconds per point (default 10)")
+    parser.add_argument("--warmup", type=float, help="warm-up seconds per point (default 2)")
+    parser.add_argument("--concurrency", help="comma-separated clients (default 1,4,16,32,64)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("TORCH_NUM_THREADS") or len(os.sched_getaffinity(0))),
+        help="torch threads for every system (default TORCH_NUM_THREADS, else every core)",
     )
-    plot(points, raw, REPORTS / "throughput.png")
+    parser.add_argument("--texts", type=int, default=2000, help="distinct texts (default 2000)")
+    parser.add_argument(
+        "--load-wait", type=float, help="most seconds to wait for a quiet machine (default 900)"
+    )
+    parser.add_argument(
+        "--served-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra setting for the served server only, e.g. MAX_BATCH_WAIT_SECONDS=0.005",
+    )
+    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 2 s points, 1 and 32 clients"
+    )
+    args = parser.parse_args(argv)
+    quick = args.quick
+    clients = args.concurrency or ("1,32" if quick else "1,4,16,32,64")
+    return Config(
+        concurrency=[int(c) for c in clients.split(",")],
+        duration=args.duration or (2.0 if quick else 10.0),
+        warmup=args.warmup if args.warmup is not None else (0.5 if quick else 2.0),
+        threads=args.threads,
+        texts=args.texts,
+        cache_seconds=1.0 if quick else 3.0,
+        load_wait=args.load_wait if args.load_wait is not None else (0.0 if quick else 900.0),
+        out=args.out or (REPO / "bench" / "out" / "throughput-quick" if quick else REPORTS),
+        served_env=dict(item.split("=", 1) for item in args.served_env),
+    )
+
+
+def shown(path: Path) -> str:
+    """A path as the report shows it: relative to the repository when inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C does, so every `finally` stops its server."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk is needed: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    stop_on_sigterm()
+    WORK.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    load = wait_for_quiet(config.load_wait)
+    texts = sample_texts(config.texts)
+    bodies = write_bodies(texts, WORK / "bodies.jsonl")
+
+    points = served_and_naive(config, bodies)
+    raw = raw_model(config, bodies)
+    hit = cache_hit(config, texts[0])
+
+    found = targets(points, raw, hit)
+    given = sys.argv[1:] if argv is None else argv
+    meta = {
+        "command": " ".join(["python -m bench.throughput", *given]),
+        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "machine": machine(),
+        "load_average": load,
+        "model": model_name(),
+        "config": {**asdict(config), "out": shown(config.out)},
+        "run_seconds": round(time.monotonic() - started),
+    }
+    text = markdown(points, raw, hit, found, meta)
+    data = {
+        "meta": meta,
+        "points": [asdict(p) for p in points],
+        "raw_texts_per_s": raw,
+        "cache_hit": asdict(hit),
+        "targets": found,
+    }
+    write(config.out, text, data, points, raw)
     print(text)
+    print(f"written to {shown(config.out)}/ in {meta['run_seconds']} s")
     return 0
 
 
