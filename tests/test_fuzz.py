@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.server_process import run_server
-from tests.tiny_models import TinyModel, write_models_file
+from tests.tiny_models import TinyModel, tiny_models_file
 
 MAX_EXAMPLES = 150
 
@@ -16,18 +16,7 @@ MAX_EXAMPLES = 150
 def test_fuzzing_the_openapi_schema_finds_no_server_error(
     tiny_bert: TinyModel, tmp_path: Path
 ) -> None:
-    models = write_models_file(
-        tmp_path / "models.yaml",
-        [
-            {
-                "name": "tiny",
-                "base": str(tiny_bert.base),
-                "labels": ["ham", "spam"],
-                "max_length": 32,
-                "adapters": [{"name": "spam", "path": str(tiny_bert.adapters["spam"])}],
-            }
-        ],
-    )
+    models = tiny_models_file(tmp_path, tiny_bert, adapters=("spam",))
     env = {"MODELS_FILE": str(models), "DISK_CACHE_DIR": str(tmp_path / "cache")}
     with run_server(env, tmp_path) as server:
         server.wait_ready()

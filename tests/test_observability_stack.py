@@ -23,7 +23,7 @@ import yaml
 
 from api.metrics import GPU_METRICS
 from tests.server_process import REPO_ROOT, ServerProcess, free_port, run_server
-from tests.tiny_models import TinyModel, write_models_file
+from tests.tiny_models import TinyModel, tiny_models_file
 
 DOCKER = REPO_ROOT / "docker"
 DASHBOARD = DOCKER / "grafana" / "dashboards" / "loraserve.json"
@@ -108,18 +108,7 @@ def metric_names(node: object) -> set[str]:
 @pytest.fixture
 def scraped(tiny_bert: TinyModel, tmp_path: Path) -> Iterator[tuple[ServerProcess, str]]:
     """The real server with traffic, and a real Prometheus that has scraped it a few times."""
-    models = write_models_file(
-        tmp_path / "models.yaml",
-        [
-            {
-                "name": "tiny",
-                "base": str(tiny_bert.base),
-                "labels": ["ham", "spam"],
-                "max_length": 32,
-                "adapters": [{"name": "spam", "path": str(tiny_bert.adapters["spam"])}],
-            }
-        ],
-    )
+    models = tiny_models_file(tmp_path, tiny_bert, adapters=("spam",))
     env = {"MODELS_FILE": str(models), "DISK_CACHE_DIR": str(tmp_path / "cache")}
     with run_server(env, tmp_path) as server:
         server.wait_ready()

@@ -7,25 +7,7 @@ from pathlib import Path
 import httpx
 
 from tests.server_process import run_server
-from tests.tiny_models import TinyModel, write_models_file
-
-
-def tiny_models_file(tmp_path: Path, tiny: TinyModel, **fields: object) -> Path:
-    return write_models_file(
-        tmp_path / "models.yaml",
-        [
-            {
-                "name": "tiny",
-                "base": str(tiny.base),
-                "labels": ["ham", "spam"],
-                "max_length": 32,
-                "adapters": [
-                    {"name": name, "path": str(path)} for name, path in tiny.adapters.items()
-                ],
-                **fields,
-            }
-        ],
-    )
+from tests.tiny_models import TinyModel, tiny_models_file
 
 
 def test_server_process_serves_a_tiny_llama_in_8bit_and_exits_0_on_sigterm(

@@ -196,3 +196,18 @@ def write_models_file(path: Path, entries: list[dict[str, object]]) -> Path:
     """A models file (JSON is YAML too) for the given model entries."""
     path.write_text(json.dumps({"models": entries}, default=str, indent=2), encoding="utf-8")
     return path
+
+
+def tiny_models_file(
+    folder: Path, tiny: TinyModel, adapters: tuple[str, ...] = ("spam", "promo"), **fields: object
+) -> Path:
+    """`folder/models.yaml` serving the tiny model as "tiny" with the named adapters."""
+    entry: dict[str, object] = {
+        "name": "tiny",
+        "base": str(tiny.base),
+        "labels": LABELS,
+        "max_length": 32,
+        "adapters": [{"name": name, "path": str(tiny.adapters[name])} for name in adapters],
+        **fields,
+    }
+    return write_models_file(folder / "models.yaml", [entry])
