@@ -65,8 +65,10 @@ class Settings(BaseSettings):
     hf_home: Path | None = Field(
         None, description="Hugging Face cache root (put it on an SSD); hub ids resolve here."
     )
-    model_cache_dir: Path = Field(
-        Path(".cache/models"), description="Where models converted at start-up (GGUF) are kept."
+    model_cache_dir: Path | None = Field(
+        None,
+        description="Where models converted at start-up (GGUF) are kept; unset: "
+        "~/.cache/loraserve/models, so each machine converts once.",
     )
     offline: bool = Field(
         True, description="Never reach the model hub: resolve hub ids from the local cache only."
@@ -166,6 +168,13 @@ class Settings(BaseSettings):
     latency_target_seconds: float = Field(
         2.0, gt=0, description="Response-time target; requests over it are counted."
     )
+
+    @property
+    def model_cache_folder(self) -> Path:
+        """MODEL_CACHE_DIR, or the per-user default."""
+        if self.model_cache_dir is not None:
+            return self.model_cache_dir.expanduser()
+        return Path.home() / ".cache" / "loraserve" / "models"
 
     @field_validator("models_file")
     @classmethod

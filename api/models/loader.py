@@ -133,7 +133,7 @@ def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | Non
 def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
     """The safetensors folder made from the spec's GGUF, converting it on first use."""
     assert spec.gguf is not None
-    folder = settings.model_cache_dir / spec.base
+    folder = settings.model_cache_folder / spec.base
     if (folder / "config.json").is_file():
         return folder
     from api.models.gguf import GgufError, convert_gguf
