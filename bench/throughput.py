@@ -526,6 +526,27 @@ def diagnostics(points: list[Point]) -> list[str]:
     return lines
 
 
+def ceilings(points: list[Point], raw: dict[str, float]) -> list[str]:
+    """What the measurements themselves say bounds the ratios the targets ask for."""
+    served = {p.clients: p for p in points if p.system == "served"}
+    naive = {p.clients: p for p in points if p.system == "naive"}
+    if TARGET_CLIENTS not in served or TARGET_CLIENTS not in naive:
+        return []
+    s, n = served[TARGET_CLIENTS], naive[TARGET_CLIENTS]
+    return [
+        f"Bounds at {TARGET_CLIENTS} clients, from this run: even a batcher with no padding and "
+        f"no HTTP cost would reach {raw['batch32_sorted'] / n.requests_per_s:.2f}× naive "
+        f"(raw length-sorted {raw['batch32_sorted']:.0f} / naive {n.requests_per_s:.0f} "
+        f"texts/s); batching itself, padding aside, buys "
+        f"{raw['batch32_sorted'] / raw['batch1']:.2f}× over one text a forward (raw sorted "
+        f"batch 32 / raw batch 1), and padding in the texts' order costs "
+        f"{raw['batch32_sorted'] / raw['batch32']:.2f}× (raw sorted / raw in order). The "
+        f"served batches carried {s.padded_tokens_per_text:.1f} tokens per text, padding "
+        f"counted, for {raw['mean_tokens']:.1f} real ones.",
+        "",
+    ]
+
+
 def markdown(
     points: list[Point],
     raw: dict[str, float],
@@ -594,6 +615,7 @@ def markdown(
         "",
         *diagnostics(points),
         "",
+        *ceilings(points, raw),
         "Plot: [throughput.png](throughput.png) (needs matplotlib: `pip install matplotlib`).",
     ]
     return "\n".join(lines) + "\n"
@@ -610,13 +632,15 @@ def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
         print("no matplotlib: skipping the plot (pip install matplotlib)", file=sys.stderr)
         return False
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.4))
-    for system, style in (("served", "o-"), ("naive", "s--")):
+    for system, style, color in (("served", "o-", "C0"), ("naive", "s--", "C1")):
         mine = sorted((p for p in points if p.system == system), key=lambda p: p.clients)
         xs = [p.clients for p in mine]
-        left.plot(xs, [p.requests_per_s for p in mine], style, label=system)
-        middle.plot(xs, [p.p99_ms for p in mine], style, label=f"{system} p99")
-        middle.plot(xs, [p.p50_ms for p in mine], style, alpha=0.4, label=f"{system} p50")
-        right.plot(xs, [p.mean_batch for p in mine], style, label=system)
+        left.plot(xs, [p.requests_per_s for p in mine], style, color=color, label=system)
+        middle.plot(xs, [p.p99_ms for p in mine], style, color=color, label=f"{system} p99")
+        middle.plot(
+            xs, [p.p50_ms for p in mine], style, color=color, alpha=0.4, label=f"{system} p50"
+        )
+        right.plot(xs, [p.mean_batch for p in mine], style, color=color, label=system)
     left.axhline(raw["batch32"], color="grey", linestyle=":", label="raw, batch 32")
     left.axhline(raw["batch32_sorted"], color="green", linestyle=":", label="raw, 32 by length")
     left.axhline(raw["batch1"], color="brown", linestyle=":", label="raw, batch 1")
