@@ -6,19 +6,21 @@ bench/reports/load_time.{md,json}.
 
 Two checkpoints: the embedded default base (all-MiniLM-L6-v2, fp32) and a generated 1.03 B
 parameter Llama sequence classifier (TinyLlama-1.1B's shape less its LM head, random weights,
-bf16), each as safetensors and as a pickle `.bin`. Five ways to load them:
+bf16), each as safetensors and as a pickle `.bin`. Six ways to load them:
 
 - `safetensors`: `AutoModelForSequenceClassification.from_pretrained`, `low_cpu_mem_usage=True`;
 - `safetensors-lowmem-off`: the same with `low_cpu_mem_usage=False`;
 - `pickle`: the same from the `.bin` (`use_safetensors=False`);
 - `read-safetensors`: `safetensors.torch.load_file` of every shard, no model at all;
-- `read-bytes`: the shards' raw bytes read into one buffer, the floor for a copying loader.
+- `read-bytes`: the shards' raw bytes read into one buffer, the floor for a copying loader;
+- `alloc-only`: a zeroed buffer of the same size, no file at all: what fresh private memory
+  costs on this machine, which the copying ways pay and the mapping ways do not.
 
 Plus the service's own `load_model` on the embedded default (base + LoRA adapter), by phase.
 
 Every run is a fresh process (`--worker`), so Python starts cold each time; the OS page cache
 is warm, because one untimed run of each way precedes the timed ones, which are interleaved
-(a b c d e a b c d e …) so that drift in the machine's load spreads over all ways alike.
+(a b c d e f a b c d e f …) so that drift in the machine's load spreads over all ways alike.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ EMBEDDED_ADAPTER = REPO_ROOT / "artifacts" / "spam-minilm" / "adapter"
 TORCH_THREADS = 2
 RESULT_MARKER = "BENCH-RESULT "
 MODEL_WAYS = ("safetensors", "safetensors-lowmem-off", "pickle")
-READ_WAYS = ("read-safetensors", "read-bytes")
+READ_WAYS = ("read-safetensors", "read-bytes", "alloc-only")
 WAYS = (*MODEL_WAYS, *READ_WAYS)
 SERVICE_WAY = "service"
 WAY_TITLES = {
@@ -56,6 +58,7 @@ WAY_TITLES = {
     "pickle": "from_pretrained, pickle .bin",
     "read-safetensors": "read only: safetensors.torch.load_file",
     "read-bytes": "read only: raw bytes into one buffer",
+    "alloc-only": "no read: allocate and zero as many bytes",
     "service": "api.models.loader.load_model (base + adapter)",
 }
 # TinyLlama-1.1B's shape: 22 layers make 1.03 B parameters with a 2-label head instead of the
@@ -205,6 +208,11 @@ def read_bytes(folder: Path) -> bytearray:
     return buffer
 
 
+def allocate(folder: Path) -> bytearray:
+    """A zeroed buffer as large as the shards; bytearray writes every page, so all resident."""
+    return bytearray(sum(shard.stat().st_size for shard in sorted(folder.glob("*.safetensors"))))
+
+
 def touch_pages(tensors: Iterable[Any]) -> int:
     """Reads one value from every 4 KiB page of each tensor; returns the tensors' bytes.
 
@@ -240,8 +248,10 @@ def worker(way: str, folder: Path, dtype: str) -> WorkerResult:
         loaded = load_model_way(way, folder, dtype)
     elif way == "read-safetensors":
         loaded = read_safetensors(folder)
-    else:
+    elif way == "read-bytes":
         loaded = read_bytes(folder)
+    else:
+        loaded = allocate(folder)
     loaded_at = time.perf_counter()
     after_load = proc_status_kib()
     touched = touch_buffer(loaded) if isinstance(loaded, bytearray) else touch_pages(loaded)
@@ -455,26 +465,31 @@ def run_child(args: list[str]) -> str:
     return done.stdout
 
 
-def run_worker(way: str, checkpoint: Checkpoint | None) -> WorkerResult:
-    """One worker run; `checkpoint` is None for the service's loader."""
+def run_worker(way: str, checkpoint: Checkpoint) -> WorkerResult:
+    """One worker run (the service's loader finds its checkpoint itself)."""
     args = ["--worker", way]
-    if checkpoint is not None:
+    if way != SERVICE_WAY:
         args += ["--folder", str(checkpoint.folder_for(way)), "--dtype", checkpoint.dtype]
     lines = [line for line in run_child(args).splitlines() if line.startswith(RESULT_MARKER)]
     return WorkerResult(**json.loads(lines[-1][len(RESULT_MARKER) :]))
 
 
 def measure(
-    ways: Sequence[str], checkpoint: Checkpoint | None, runs: int
+    ways: Sequence[str], checkpoint: Checkpoint, runs: int, loads: list[str]
 ) -> dict[str, list[WorkerResult]]:
-    """One untimed warm-up per way (page cache), then `runs` rounds of every way in turn."""
+    """One untimed warm-up per way (page cache), then `runs` rounds of every way in turn.
+
+    Appends /proc/loadavg at the start of each round to `loads`: it shows when other work
+    came in mid-run (this benchmark's own worker counts about 1 in it).
+    """
     for way in ways:
         run_worker(way, checkpoint)
     results: dict[str, list[WorkerResult]] = {way: [] for way in ways}
     for round_number in range(runs):
+        loads.append(loadavg())
+        log(f"{checkpoint.title}: round {round_number + 1}/{runs}, loadavg {loads[-1]}")
         for way in ways:
             results[way].append(run_worker(way, checkpoint))
-        log(f"{checkpoint.title if checkpoint else SERVICE_WAY}: round {round_number + 1}/{runs}")
     return results
 
 
@@ -483,7 +498,7 @@ def median(values: Iterable[float]) -> float:
 
 
 def summarise(runs: list[WorkerResult], file_bytes: int) -> dict[str, Any]:
-    """Medians (and the load's range) of one way's runs; memory in MiB."""
+    """Medians (and the load's range) of one way's runs, memory in MiB; and every run raw."""
     mib = 1024.0
     loads = [run.load_s for run in runs]
     summary: dict[str, Any] = {
@@ -513,6 +528,7 @@ def summarise(runs: list[WorkerResult], file_bytes: int) -> dict[str, Any]:
         summary["phases_median_s"] = {
             phase: median(run.phases[phase] for run in runs) for phase in runs[0].phases
         }
+    summary["raw"] = [asdict(run) for run in runs]
     return summary
 
 
@@ -542,6 +558,17 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text(encoding="ascii").split()[:3])
 
 
+def ways_for(checkpoint: Checkpoint, embedded: Path) -> tuple[str, ...]:
+    """The ways to run on a checkpoint: the service's loader joins the embedded base's.
+
+    Run in the same rounds as the plain loads of the same files, so that both see the same
+    machine; skipped, with a note in the report, until the adapter has been trained.
+    """
+    if checkpoint.safetensors_dir == embedded and EMBEDDED_ADAPTER.is_dir():
+        return (*WAYS, SERVICE_WAY)
+    return WAYS
+
+
 def run_all(runs: int) -> dict[str, Any]:
     """Every checkpoint and way, and the service loader; the report's raw numbers."""
     started = time.perf_counter()
@@ -549,26 +576,28 @@ def run_all(runs: int) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "loadavg_before": loadavg(),
         "runs": runs,
+        "loadavg_rounds": [],
+        "service_skipped": None,
     }
+    if not EMBEDDED_ADAPTER.is_dir():
+        meta["service_skipped"] = f"no adapter folder {EMBEDDED_ADAPTER.relative_to(REPO_ROOT)}"
+    embedded = Path(embedded_base())
     results: dict[str, dict[str, Any]] = {}
-    all_runs: list[WorkerResult] = []
     for checkpoint in prepare_checkpoints():
-        measured = measure(WAYS, checkpoint, runs)
+        ways = ways_for(checkpoint, embedded)
+        measured = measure(ways, checkpoint, runs, meta["loadavg_rounds"])
         results[checkpoint.title] = {
-            way: summarise(measured[way], folder_bytes(checkpoint.folder_for(way))) for way in WAYS
+            way: summarise(measured[way], folder_bytes(checkpoint.folder_for(way))) for way in ways
         }
-        all_runs += [run for way_runs in measured.values() for run in way_runs]
-    service: dict[str, Any] = {"skipped": f"no adapter folder {EMBEDDED_ADAPTER}"}
-    if EMBEDDED_ADAPTER.is_dir():
-        service_runs = measure([SERVICE_WAY], None, runs)[SERVICE_WAY]
-        service = summarise(service_runs, folder_bytes(Path(embedded_base())))
-        all_runs += service_runs
     meta["loadavg_after"] = loadavg()
     meta["wall_s"] = time.perf_counter() - started
     meta["max_rusage_vs_hwm_mib"] = max(
-        abs(run.peak_rss_kib - run.vm_hwm_kib) / 1024 for run in all_runs
+        abs(run["peak_rss_kib"] - run["vm_hwm_kib"]) / 1024
+        for ways_summary in results.values()
+        for summary in ways_summary.values()
+        for run in summary["raw"]
     )
-    return {"meta": meta, "machine": machine(), "results": results, "service": service}
+    return {"meta": meta, "machine": machine(), "results": results}
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -606,33 +635,39 @@ def row_line(checkpoint: str, way: str, row: dict[str, Any]) -> str:
     )
 
 
-def service_lines(service: dict[str, Any]) -> list[str]:
-    if "skipped" in service:
-        return [f"The service's own loader: skipped, {service['skipped']}."]
+def service_lines(results: dict[str, dict[str, Any]], skipped: str | None) -> list[str]:
+    """The service loader's phases, or why it did not run."""
+    if skipped is not None:
+        return [f"The service's own loader (`load_model`): skipped, {skipped}.", ""]
+    service = next(ways[SERVICE_WAY] for ways in results.values() if SERVICE_WAY in ways)
     phases = ", ".join(f"{name} {value:.3f}" for name, value in service["phases_median_s"].items())
     return [
-        "The service's own loader, `api.models.loader.load_model`, on the embedded default "
-        "(MiniLM + the spam LoRA adapter, merged, then dynamic int8; settings at their "
-        "defaults, device cpu):",
+        "The `load_model` row is the service's own loader on the embedded default (MiniLM + "
+        "the spam LoRA adapter, merged, then dynamic int8; settings at their defaults, device "
+        f"cpu), run in the same rounds as the MiniLM rows. Its phases, medians in s: {phases}. "
+        "`resolve` includes hashing the weight file against its pinned sha256 and reading the "
+        "tokenizer; `adapters` includes merging the adapter. Its model-class import figure "
+        "includes the project's modules and peft.",
         "",
-        *table({"embedded default (service)": {SERVICE_WAY: service}}),
-        "",
-        f"Its phases, medians in s: {phases}. As above, the worker imports the model class "
-        "before the clock starts (with the project's modules and peft, in the model-class "
-        "import figure); `resolve` includes hashing the weight file against its pinned sha256 "
-        "and reading the tokenizer; `adapters` includes merging the adapter.",
     ]
+
+
+def one_minute(loadavg_line: str) -> float:
+    return float(loadavg_line.split()[0])
 
 
 def busy_warning(meta: dict[str, Any], cores: int) -> list[str]:
     """A warning when other work shared the CPU: timings then say little, memory still holds."""
-    one_minute = float(meta["loadavg_before"].split()[0])
-    if one_minute <= BUSY_LOAD_PER_CORE * cores:
+    before = one_minute(meta["loadavg_before"])
+    # During the run, this benchmark's own worker adds about 1 to the load average.
+    during = max((one_minute(line) for line in meta["loadavg_rounds"]), default=0.0)
+    if before <= BUSY_LOAD_PER_CORE * cores and during <= BUSY_LOAD_PER_CORE * cores + 1:
         return []
     return [
-        f"**Busy machine:** the 1-minute load average was {one_minute:.2f} on {cores} cores "
-        "before the run; other processes competed for the CPU, so the timings are inflated "
-        "and noisy (the memory figures are not affected). Rerun on an idle machine.",
+        f"**Busy machine:** the 1-minute load average was {before:.2f} before the run and up "
+        f"to {during:.2f} during it, on {cores} cores; other processes competed for the CPU, "
+        "so the timings are inflated and noisy (the memory figures are not affected). Rerun "
+        "on an idle machine.",
         "",
     ]
 
@@ -643,14 +678,21 @@ def notes(report: dict[str, Any]) -> list[str]:
         f"- Runs: {meta['runs']} timed per way after one untimed warm-up per way, interleaved; "
         "each run a fresh `python -m bench.load_time --worker …` process with "
         f"{machine_info['torch_threads']} torch threads. Whole benchmark: "
-        f"{meta['wall_s'] / 60:.1f} min.",
+        f"{meta['wall_s'] / 60:.1f} min. 1-minute load average at the start of each round: "
+        f"{', '.join(line.split()[0] for line in meta['loadavg_rounds'])} (the benchmark's "
+        "own worker counts about 1).",
         "- Page cache: warm for every timed run (the warm-up reads each file once), so these "
         "compare loaders, not disks. A first load after a reboot also pays the disk.",
         "- load s: the call alone (`from_pretrained`, `load_file`, or reading the bytes), "
         "imports excluded. safetensors and `torch.load` (transformers passes `mmap=True`) map "
         "the file: the call returns with the weights not yet read. + first touch: reading one "
         "value per 4 KiB page of every weight, which the first forward would otherwise pay. "
-        "= ready: the two together, the fair comparison.",
+        "= ready: the two together, the fair comparison. The raw-bytes row copies every byte "
+        "into freshly allocated private memory: the floor for a loader that copies (such as "
+        "transformers with `disable_mmap=True`), not for one that maps; the alloc-only row "
+        "is the part of it spent getting fresh private memory from the OS, which on this VM is "
+        "slow and varies from run to run. The service's merge and int8 steps allocate too, and "
+        "vary with it.",
         "- import s: `import torch`; `import transformers` with the Auto class; the model "
         "class, which transformers imports lazily on first use. A cold process pays all three "
         "before reading a single weight.",
@@ -697,8 +739,7 @@ def render(report: dict[str, Any]) -> str:
         *busy_warning(meta, info["cores"]),
         *table(report["results"]),
         "",
-        *service_lines(report["service"]),
-        "",
+        *service_lines(report["results"], meta["service_skipped"]),
         *notes(report),
     ]
     return "\n".join(lines) + "\n"

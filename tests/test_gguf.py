@@ -178,6 +178,7 @@ def test_f32_gguf_converts_to_the_same_model_and_tokenizer(
 
     assert out == tmp_path / "tiny"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in [out, *out.iterdir()])  # others read
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert "quantization_config" not in config  # a plain checkpoint, not a GGUF-quantized one
     assert config["architectures"] == ["LlamaForCausalLM"]

@@ -49,6 +49,7 @@ def convert_gguf(
         # mkdtemp makes the folder private (0700); the service may read it as another user.
         staging.chmod(0o755)
         write_folder(gguf_path, staging, dtype)
+        _make_readable(staging)
         _sync_tree(staging)
         _publish(staging, out_folder)
     except GgufError:
@@ -73,11 +74,14 @@ def check_sha256(gguf_path: Path, expected_sha256: str) -> None:
 def write_folder(gguf_path: Path, folder: Path, dtype: torch.dtype) -> None:
     """Writes the dequantized model and its tokenizer into `folder` as a transformers folder."""
     source, name = str(gguf_path.parent), gguf_path.name
-    tokenizer: Any = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    # The file is local: no hub look-up. Said explicitly, because the saved tokenizer config
+    # records this flag, and the folder should not depend on the HF_HUB_OFFLINE of the run.
+    tokenizer: Any = AutoTokenizer.from_pretrained(source, gguf_file=name, local_files_only=True)
     model: Any = AutoModelForCausalLM.from_pretrained(
         source,
         gguf_file=name,
         dtype=dtype,
+        local_files_only=True,
         # Without this, transformers keeps the weights in GGUF blocks whenever its `kernels`
         # package is installed; those modules are not a plain checkpoint and do not save as one.
         quantization_config=GgufConfig(dequantize=True),
@@ -94,6 +98,13 @@ def write_folder(gguf_path: Path, folder: Path, dtype: torch.dtype) -> None:
     tokenizer.save_pretrained(folder)
     if not (folder / WEIGHTS_FILE).is_file():  # a sharded save would be read differently
         raise GgufError(f"{gguf_path}: conversion wrote no single {WEIGHTS_FILE}")
+
+
+def _make_readable(folder: Path) -> None:
+    """safetensors writes weights 0600; the service may run as another user than the converter."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def _sync_tree(folder: Path) -> None:
