@@ -58,8 +58,7 @@ def create_app(
             settings.disk_cache_max_bytes,
             settings.disk_cache_ttl_seconds,
         )
-        executors: dict[str, ThreadPoolExecutor] = {}
-        loading = asyncio.create_task(_load(state, executors, cascade, on_fatal))
+        loading = asyncio.create_task(_load(state, cascade, on_fatal))
         try:
             yield
         finally:
@@ -69,8 +68,7 @@ def create_app(
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(r.batcher.stop() for r in state.runners.values()))
-            for executor in executors.values():
-                executor.shutdown(wait=True)
+            registry.close()
             state.cache.close()
 
     app = FastAPI(
@@ -92,13 +90,12 @@ def create_app(
 
 async def _load(
     state: ServiceState,
-    executors: dict[str, ThreadPoolExecutor],
     cascade: tuple[str, str] | None,
     on_fatal: FatalHandler | None,
 ) -> None:
     try:
         await asyncio.to_thread(state.registry.load_all)
-        _start_runners(state, executors)
+        _start_runners(state)
         if cascade is not None:
             first, second = (state.runners[name] for name in cascade)
             threshold = state.settings.cascade_threshold
@@ -115,15 +112,12 @@ async def _load(
         logger.info("ready: %s", ", ".join(state.registry.models))
 
 
-def _start_runners(state: ServiceState, executors: dict[str, ThreadPoolExecutor]) -> None:
+def _start_runners(state: ServiceState) -> None:
     slots: dict[str, asyncio.Semaphore] = {}
     for served in state.registry.in_order():
-        device = str(served.loaded.device)
-        # One worker thread and one slot per device: one batch at a time on each device.
-        executor = executors.setdefault(
-            device, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{device}")
-        )
-        slot = slots.setdefault(device, asyncio.Semaphore(1))
+        # One thread and one slot per device: one batch at a time on each device.
+        executor = state.registry.device_thread(served.loaded.device)
+        slot = slots.setdefault(str(served.loaded.device), asyncio.Semaphore(1))
         state.runners[served.name] = ModelRunner(served, _batcher(state, served, executor, slot))
         _report_model(state.metrics, served)
 

@@ -65,6 +65,7 @@ class Registry:
     progress: dict[str, Progress] = field(init=False)
     models: dict[str, ServedModel] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    _device_threads: dict[str, ThreadPoolExecutor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.progress = {spec.name: Progress() for spec in self.specs}
@@ -73,6 +74,29 @@ class Registry:
     def ready(self) -> bool:
         """Every declared model is loaded and warmed up."""
         return len(self.models) == len(self.specs)
+
+    def device_thread(self, device: torch.device) -> ThreadPoolExecutor:
+        """The one thread that runs every forward pass on `device`, warm-ups included.
+
+        One thread, so one batch at a time per device. The warm-up runs there too because
+        the memory a forward needs stays with the thread that ran it (its malloc arena, its
+        OpenMP team): warmed elsewhere, the serving thread would grow by the largest batch's
+        working set under traffic instead of before `/ready`.
+        """
+        with self._lock:
+            key = str(device)
+            if key not in self._device_threads:
+                self._device_threads[key] = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"infer-{key}"
+                )
+            return self._device_threads[key]
+
+    def close(self) -> None:
+        """Stops the device threads once their work is done."""
+        with self._lock:
+            threads, self._device_threads = list(self._device_threads.values()), {}
+        for thread in threads:
+            thread.shutdown(wait=True)
 
     def load_all(self) -> None:
         """Loads and warms every model; the first failure is raised once all have stopped."""
@@ -94,7 +118,10 @@ class Registry:
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
-                    predictor.warm_up(self.warmup_rows)
+                    warm = self.device_thread(loaded.device).submit(
+                        predictor.warm_up, self.warmup_rows
+                    )
+                    warm.result()
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
