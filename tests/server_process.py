@@ -38,8 +38,11 @@ class ServerProcess:
         """Everything the process has written so far."""
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
-    def wait_ready(self, timeout: float = 120.0) -> list[int]:
-        """Polls /ready until 200; returns every status seen on the way."""
+    def wait_ready(self, timeout: float = 300.0) -> list[int]:
+        """Polls /ready until 200; returns every status seen on the way.
+
+        The first start of the embedded default on a machine also converts the LLM's GGUF.
+        """
         seen: list[int] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

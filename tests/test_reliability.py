@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import SETTING_NAMES
 from tests.load_client import metric
 from tests.server_process import ServerProcess, run_server
-from tests.tiny_models import TinyModel, tiny_models_file
+from tests.tiny_models import TinyModel, embedded_encoder_file, tiny_models_file
 
 # ~120 tokens each: a request of 32 of them keeps the embedded model busy for a while.
 LONG = "urgent call now to claim your free prize winner txt stop to end " * 8
@@ -100,7 +100,7 @@ def wait_all_accounted(server: ServerProcess, submitted: int) -> None:
 def clean_environment() -> Iterator[None]:
     """No service settings from the caller's environment (for servers that outlive a test)."""
     with pytest.MonkeyPatch.context() as patch:
-        for key in os.environ:
+        for key in list(os.environ):
             if key in SETTING_NAMES or key.endswith("_ADAPTER_DIR"):
                 patch.delenv(key)
         yield
@@ -140,8 +140,9 @@ def chunked(body: bytes, size: int) -> Iterator[bytes]:
 
 @pytest.fixture
 def embedded(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    """The embedded default model (big enough to keep busy), caches off, ready."""
+    """The embedded encoder (big enough to keep busy), caches off, ready."""
     env = {
+        "MODELS_FILE": str(embedded_encoder_file(tmp_path)),
         "DISK_CACHE_MAX_BYTES": "0",
         "LRU_CACHE_ENTRIES": "0",
         "DISK_CACHE_DIR": str(tmp_path / "cache"),

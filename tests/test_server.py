@@ -44,16 +44,28 @@ def test_server_refuses_invalid_settings_naming_them(tmp_path: Path) -> None:
         assert "MAX_TEXTS_PER_REQUEST" in server.log()
 
 
-def test_embedded_default_model_tells_spam_from_ham(tmp_path: Path) -> None:
+SPAM = "WINNER!! Claim your free prize now, call 09061701461"
+HAM = "Are we still meeting for lunch tomorrow?"
+
+
+def test_embedded_default_models_tell_spam_from_ham(tmp_path: Path) -> None:
     with run_server({}, tmp_path) as server:
         server.wait_ready()
-        spam = httpx.post(
-            f"{server.url}/predict",
-            json={"inputs": "WINNER!! Claim your free prize now, call 09061701461"},
-        ).json()
-        ham = httpx.post(
-            f"{server.url}/predict", json={"inputs": "Are we still meeting for lunch tomorrow?"}
-        ).json()
-        assert spam[0]["label"] == "spam" and spam[0]["score"] > 0.9
-        assert ham[0]["label"] == "ham" and ham[0]["score"] > 0.9
+        for model in (None, "spam-minilm", "spam-smollm2", "cascade"):
+            body = {"inputs": [SPAM, HAM], "cache": False} | ({"model": model} if model else {})
+            response = httpx.post(f"{server.url}/predict", json=body, timeout=30)
+            spam, ham = response.json()
+            assert spam[0]["label"] == "spam" and spam[0]["score"] > 0.9, (model, spam)
+            assert ham[0]["label"] == "ham" and ham[0]["score"] > 0.9, (model, ham)
+        # Both sure of these: the cascade's encoder answered both, the LLM none.
+        assert response.headers["X-Answered-By"] == "spam-minilm,spam-minilm"
+
+        models = {m["name"]: m for m in httpx.get(f"{server.url}/models").json()["models"]}
+        assert list(models) == ["spam-minilm", "spam-smollm2"]
+        llm = models["spam-smollm2"]
+        assert llm["architecture"] == "LlamaForSequenceClassification"
+        assert llm["quantization"] == "nf4" and llm["adapter_mode"] == "unmerged"
+        assert llm["adapters"] == ["spam"] and llm["load_seconds"]["warmup"] > 0
+        cascade = httpx.get(f"{server.url}/info").json()["cascade"]
+        assert cascade == {"first": "spam-minilm", "second": "spam-smollm2", "threshold": 0.877756}
         assert server.stop() == 0

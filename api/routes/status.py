@@ -10,6 +10,7 @@ from api import __version__
 from api.models.registry import ServedModel
 from api.routes.common import RETRY_AFTER_LOADING_SECONDS, State
 from api.schemas import (
+    CascadeInfo,
     HealthResponse,
     InfoResponse,
     ModelInfo,
@@ -17,7 +18,7 @@ from api.schemas import (
     ModelsResponse,
     ReadyResponse,
 )
-from api.state import Phase
+from api.state import Phase, ServiceState
 
 router = APIRouter()
 
@@ -88,6 +89,19 @@ async def info(state: State) -> InfoResponse:
         max_text_chars=settings.max_text_chars,
         max_body_bytes=settings.max_body_bytes,
         latency_target_seconds=settings.latency_target_seconds,
+        cascade=cascade_info(state),
+    )
+
+
+def cascade_info(state: ServiceState) -> CascadeInfo | None:
+    """The cascade once its models are loaded; None before, or when fewer than two are served."""
+    cascade = state.cascade
+    if cascade is None:
+        return None
+    return CascadeInfo(
+        first=cascade.first.served.name,
+        second=cascade.second.served.name,
+        threshold=cascade.threshold,
     )
 
 
