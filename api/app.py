@@ -142,6 +142,7 @@ def _batcher(
         max_batch_tokens=settings.max_batch_tokens,
         max_wait_seconds=settings.max_batch_wait_seconds,
         max_queue_requests=settings.max_queue_size,
+        overhead_tokens=served.overhead_tokens,
     )
     batcher: Batcher[Scores] = Batcher(
         served.predictor.forward,

@@ -30,12 +30,20 @@ class BatchFailed(Exception):
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """When a batch is flushed: full by texts or tokens (padding counted), or waited enough."""
+    """When a batch is flushed: full by texts or tokens (padding counted), or waited enough.
+
+    `overhead_tokens` is what one forward pass costs beyond its tokens, in tokens. With it,
+    the pending rows are cut into batches of similar length that cost least in all (each
+    batch: the overhead plus its padded tokens), and the batch holding the oldest row runs;
+    the others wait for the next turn. None: the rows closest in length to the oldest join
+    it as long as they fit.
+    """
 
     max_batch_size: int = 32
     max_batch_tokens: int = 8192
     max_wait_seconds: float = 0.002
     max_queue_requests: int = 256
+    overhead_tokens: float | None = None
 
 
 @dataclass
@@ -66,6 +74,10 @@ class _Row(Generic[Result]):
 class _Batch(Generic[Result]):
     rows: list[_Row[Result]] = field(default_factory=list)
     longest: int = 0
+
+    def add(self, row: _Row[Result]) -> None:
+        self.rows.append(row)
+        self.longest = max(self.longest, len(row.ids))
 
     def padded_tokens(self, extra: int = 0) -> int:
         return (len(self.rows) + (1 if extra else 0)) * max(self.longest, extra)
@@ -221,21 +233,36 @@ class Batcher(Generic[Result]):
         if not live:
             self._pending = []
             return batch
-        anchor = live[0]
-        by_closeness = sorted(live[1:], key=lambda r: abs(len(r.ids) - len(anchor.ids)))
-        for row in [anchor, *by_closeness]:
-            if batch.rows and (
-                len(batch.rows) >= self.limits.max_batch_size
-                or batch.padded_tokens(len(row.ids)) > self.limits.max_batch_tokens
-            ):
-                continue
-            batch.rows.append(row)
-            batch.longest = max(batch.longest, len(row.ids))
+        for row in self._choose(live):
+            batch.add(row)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
         for row in batch.rows:
             row.started = True
         return batch
+
+    def _choose(self, live: list[_Row[Result]]) -> list[_Row[Result]]:
+        """The next batch: always with the oldest row, so that no row waits for ever."""
+        anchor, limits = live[0], self.limits
+        if limits.overhead_tokens is None:
+            chosen = [anchor]
+            longest = len(anchor.ids)
+            for row in sorted(live[1:], key=lambda r: abs(len(r.ids) - len(anchor.ids))):
+                padded = (len(chosen) + 1) * max(longest, len(row.ids))
+                if len(chosen) < limits.max_batch_size and padded <= limits.max_batch_tokens:
+                    chosen.append(row)
+                    longest = max(longest, len(row.ids))
+            return chosen
+        by_length = sorted(live, key=lambda r: len(r.ids))
+        lengths = [len(row.ids) for row in by_length]
+        start, end = cheapest_group_of(
+            lengths,
+            by_length.index(anchor),
+            limits.overhead_tokens,
+            limits.max_batch_size,
+            limits.max_batch_tokens,
+        )
+        return by_length[start:end]
 
     def _forget(self, row: _Row[Result], reason: str) -> None:
         if not row.future.done():
@@ -291,6 +318,33 @@ class Batcher(Generic[Result]):
         for row, result in zip(rows, results, strict=True):
             if not row.future.done():
                 row.future.set_result(result)
+
+
+def cheapest_group_of(
+    lengths: list[int], index: int, overhead: float, max_rows: int, max_tokens: int
+) -> tuple[int, int]:
+    """The [start, end) of the group holding `index` when sorted `lengths` are cut into
+    contiguous groups that cost least in all, a group costing `overhead` plus its rows times
+    its longest length, within `max_rows` and `max_tokens` (a single row always fits).
+
+    Dynamic programming over the cut points: O(len(lengths) × max_rows).
+    """
+    count = len(lengths)
+    best = [0.0] + [float("inf")] * count  # best[i]: least cost of the first i rows
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        longest = lengths[end - 1]
+        for start in range(end - 1, max(end - max_rows, 0) - 1, -1):
+            rows = end - start
+            if rows > 1 and rows * longest > max_tokens:
+                break
+            cost = best[start] + overhead + rows * longest
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    end = count
+    while cut[end] > index:
+        end = cut[end]
+    return cut[end], end
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

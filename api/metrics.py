@@ -183,6 +183,7 @@ DASHBOARD_METRICS = (
     "loraserve_cache_lookups_total",
     "loraserve_cache_entries",
     "loraserve_cache_bytes",
+    "loraserve_cascade_escalations_total",
     "process_resident_memory_bytes",
 )
 GPU_METRICS = ("loraserve_gpu_memory_allocated_bytes", "loraserve_gpu_memory_reserved_bytes")

@@ -90,6 +90,9 @@ class ModelInfo(BaseModel):
     adapter_mode: str = Field(description="unmerged, merged into the base, or none.")
     weight_bytes: int
     load_seconds: dict[str, float] = Field(description="Seconds per load phase.")
+    batch_overhead_tokens: float | None = Field(
+        description="A forward's fixed cost in tokens, as the batcher uses it; null: no limit."
+    )
     fingerprint: str = Field(description="Digest of the base files and adapter weights.")
 
 

@@ -133,6 +133,12 @@ class Settings(BaseSettings):
         description="Longest a text waits for others to fill its batch once the device is "
         "free; 0 runs what is queued at once (batches still fill while the device is busy).",
     )
+    batch_overhead_tokens: float | None = Field(
+        None,
+        ge=0,
+        description="A forward's fixed cost in tokens: rows of other lengths join a batch only "
+        "if they raise its real tokens per cost; unset: measured per model at warm-up.",
+    )
     max_queue_size: int = Field(
         256, ge=1, description="Most requests queued or running per model; more get 429."
     )

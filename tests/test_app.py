@@ -57,6 +57,22 @@ def test_ready_after_load_lists_both_models(client: TestClient) -> None:
         assert model["adapters"] == ["spam", "promo"] and model["adapter_mode"] == "unmerged"
         assert set(model["load_seconds"]) == set(PHASES)
         assert model["load_seconds"]["warmup"] > 0
+        # Measured at warm-up (tiny models cost almost nothing per token, so the measured
+        # slope may be none: then no limit); tests/test_loader.py checks the arithmetic.
+        overhead = model["batch_overhead_tokens"]
+        assert overhead is None or overhead >= 0
+
+
+def test_batch_overhead_setting_reaches_models_and_batchers(
+    tiny_bert: TinyModel,
+) -> None:
+    app = create_app(make_settings(batch_overhead_tokens=12.5), [spec_for(tiny_bert)])
+    with TestClient(app) as client:
+        wait_ready(client)
+        (model,) = client.get("/models").json()["models"]
+        assert model["batch_overhead_tokens"] == 12.5
+        (runner,) = app.state.service.runners.values()
+        assert runner.batcher.limits.overhead_tokens == 12.5
 
 
 def test_predict_one_text_answers_a_ranked_label_list(client: TestClient) -> None:

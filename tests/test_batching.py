@@ -16,6 +16,7 @@ from api.batching import (
     BatchStats,
     DeadlineExceeded,
     QueueFull,
+    cheapest_group_of,
 )
 
 
@@ -64,6 +65,7 @@ def batcher_for(
             max_batch_tokens=int(values["max_batch_tokens"]),
             max_wait_seconds=values["max_wait_seconds"],
             max_queue_requests=int(values.get("max_queue_requests", 100)),
+            overhead_tokens=values.get("overhead_tokens"),
         ),
         executor,
     )
@@ -125,6 +127,56 @@ async def test_similar_lengths_go_together(executor: ThreadPoolExecutor) -> None
     grouped = [sorted(len(ids) for _, ids in batch) for batch in fake.batches[1:]]
     assert grouped == [[1, 2], [30, 31]]
     await batcher.stop()
+
+
+async def queue_behind_a_held_batch(
+    batcher: Batcher[tuple[str | None, int]], fake: FakePredictor, lengths: list[int]
+) -> list[list[int]]:
+    """Holds a first batch, queues rows of `lengths` (oldest first) behind it, and returns
+    the sorted lengths of each later batch."""
+    fake.gate.clear()
+    first = asyncio.ensure_future(batcher.submit([[0]], ["a"], 10))
+    await asyncio.sleep(0.05)
+    rest = []
+    for n in lengths:
+        rest.append(asyncio.ensure_future(batcher.submit([[7] * n], ["a"], 10)))
+        await asyncio.sleep(0.001)  # keeps the arrival order
+    fake.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *rest), 5)
+    return [sorted(len(ids) for _, ids in batch) for batch in fake.batches[1:]]
+
+
+async def test_cost_model_keeps_short_texts_out_of_a_long_batch(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # A forward costs 5 tokens beyond its own: padding a 2-token text to 31 costs more
+    # than a forward of its own, so it waits for the next turn; the oldest (30) leads.
+    fake = FakePredictor()
+    batcher = batcher_for(fake, executor, max_batch_size=10, max_wait_seconds=0, overhead_tokens=5)
+    assert await queue_behind_a_held_batch(batcher, fake, [30, 2, 31, 29]) == [[29, 30, 31], [2]]
+    await batcher.stop()
+
+
+async def test_costly_forwards_take_every_row_that_fits(executor: ThreadPoolExecutor) -> None:
+    # As on a GPU: a forward costs as much as 1000 tokens, so one batch beats two.
+    fake = FakePredictor()
+    batcher = batcher_for(
+        fake, executor, max_batch_size=10, max_wait_seconds=0, overhead_tokens=1000
+    )
+    assert await queue_behind_a_held_batch(batcher, fake, [30, 2, 31, 29]) == [[2, 29, 30, 31]]
+    await batcher.stop()
+
+
+def test_cheapest_groups_respect_the_limits_and_hold_the_given_row() -> None:
+    assert cheapest_group_of([2, 29, 30, 31], 0, 5, 10, 1000) == (0, 1)
+    assert cheapest_group_of([5, 5, 80], 2, 0, 32, 1000) == (2, 3)
+    # However cheap a big batch would be, it holds at most max_rows rows and max_tokens.
+    start, end = cheapest_group_of([1] * 40, 39, 1000, 32, 10_000)
+    assert start <= 39 < end and end - start <= 32
+    start, end = cheapest_group_of([10] * 8, 0, 1000, 32, 40)
+    assert (start, end) == (0, 4)
+    # A single row over max_tokens still runs, alone.
+    assert cheapest_group_of([10, 500], 1, 1000, 32, 100) == (1, 2)
 
 
 async def test_full_queue_refuses_at_once(executor: ThreadPoolExecutor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,22 @@ def test_dynamic_int8_of_bfloat16_weights_is_refused_with_the_reason(tiny_bert: 
     spec = spec_for(tiny_bert, adapters=("spam",), quantization="dynamic-int8", dtype="bfloat16")
     with pytest.raises(LoadError, match="quantizes float32 weights, not bfloat16"):
         load_model(spec, make_settings())
+
+
+def test_forward_overhead_is_its_fixed_time_over_its_time_per_token(
+    tiny_bert: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    predictor = Predictor(load_model(spec_for(tiny_bert), make_settings()))
+
+    def forward_of_known_cost(batch: list[list[int]], adapters: list[str | None]) -> list[None]:
+        time.sleep(0.020 + 0.0001 * sum(map(len, batch)))  # 20 ms + 0.1 ms a token
+        return [None] * len(batch)
+
+    monkeypatch.setattr(predictor, "forward", forward_of_known_cost)
+    overhead = predictor.overhead_tokens()
+    assert overhead is not None and 150 < overhead < 250  # 0.020 / 0.0001 = 200 tokens
+
+    # No cost per token (as on a GPU at small shapes): None, or so large that it is no limit.
+    monkeypatch.setattr(predictor, "forward", lambda batch, adapters: time.sleep(0.05))
+    flat = predictor.overhead_tokens(repeats=3)
+    assert flat is None or flat > 5000

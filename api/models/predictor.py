@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,13 +89,40 @@ class Predictor:
 
     def warm_up(self, rows: int) -> None:
         """One forward at the largest shape served, so the first request pays no set-up."""
-        filler = self._tokenizer.convert_tokens_to_ids(self._tokenizer.unk_token or "a")
-        if not isinstance(filler, int):
-            filler = 0
-        row = [filler] * self.max_length
         adapters: list[str | None] = [*self.loaded.adapters] or [None]
         for adapter in adapters:
-            self.forward([row] * rows, [adapter] * rows)
+            self.forward(self._filler(rows, self.max_length), [adapter] * rows)
+
+    def overhead_tokens(self, repeats: int = 5) -> float | None:
+        """What one forward costs beyond its tokens, in tokens; None if cost does not grow.
+
+        The intercept over the slope of the line through the times of a 1 × 8-token and an
+        8 × 32-token forward (medians of `repeats`): on a CPU tens of tokens, on a GPU, where
+        small batches cost the same, None. Run it warm, on the thread that serves.
+        """
+        small = (1, min(8, self.max_length))
+        large = (8, min(32, self.max_length))
+        small_tokens, large_tokens = small[0] * small[1], large[0] * large[1]
+        small_seconds = self._median_forward_seconds(*small, repeats)
+        large_seconds = self._median_forward_seconds(*large, repeats)
+        if large_tokens <= small_tokens or large_seconds <= small_seconds:
+            return None
+        per_token = (large_seconds - small_seconds) / (large_tokens - small_tokens)
+        return max(0.0, small_seconds / per_token - small_tokens)
+
+    def _median_forward_seconds(self, rows: int, length: int, repeats: int) -> float:
+        batch, adapters = self._filler(rows, length), [None] * rows
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self.forward(batch, list(adapters))
+            seconds.append(time.perf_counter() - started)
+        return statistics.median(seconds)
+
+    def _filler(self, rows: int, length: int) -> list[list[int]]:
+        """`rows` rows of `length` copies of one ordinary token."""
+        token = self._tokenizer.convert_tokens_to_ids(self._tokenizer.unk_token or "a")
+        return [[token if isinstance(token, int) else 0] * length for _ in range(rows)]
 
     def _model_logits(self, inputs: dict[str, Any], adapters: list[str | None]) -> torch.Tensor:
         model: Any = self.loaded.model

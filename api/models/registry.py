@@ -44,6 +44,7 @@ class ServedModel:
 
     loaded: LoadedModel
     predictor: Predictor
+    overhead_tokens: float | None = None  # the batch cost model's, see BatchLimits
 
     @property
     def name(self) -> str:
@@ -108,6 +109,13 @@ class Registry:
         for error in errors:
             if error is not None:
                 raise error
+        # Timed once every model is in, one at a time: a load beside it would skew it.
+        if self.settings.warmup and self.settings.batch_overhead_tokens is None:
+            for served in self.in_order():
+                with timed(served.loaded.phases, "warmup"):
+                    measure = served.predictor.overhead_tokens
+                    device = self.device_thread(served.loaded.device)
+                    served.overhead_tokens = device.submit(measure).result()
 
     def _load_one(self, spec: ModelSpec) -> None:
         progress = self.progress[spec.name]
@@ -126,7 +134,8 @@ class Registry:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
         with self._lock:
-            self.models[spec.name] = ServedModel(loaded, predictor)
+            overhead = self.settings.batch_overhead_tokens
+            self.models[spec.name] = ServedModel(loaded, predictor, overhead)
         progress.state, progress.finished = "ready", time.perf_counter()
         logger.info(
             "model %s ready in %.2f s (%s)",

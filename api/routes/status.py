@@ -48,6 +48,7 @@ def model_info(served: ServedModel) -> ModelInfo:
         adapter_mode=mode,
         weight_bytes=loaded.weight_bytes,
         load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},
+        batch_overhead_tokens=served.overhead_tokens,
         fingerprint=served.fingerprint(spec.active_default_adapter),
     )
 
