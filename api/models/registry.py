@@ -133,9 +133,9 @@ class Registry:
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
+        served = ServedModel(loaded, predictor, self.settings.batch_overhead_tokens)
         with self._lock:
-            overhead = self.settings.batch_overhead_tokens
-            self.models[spec.name] = ServedModel(loaded, predictor, overhead)
+            self.models[spec.name] = served
         progress.state, progress.finished = "ready", time.perf_counter()
         logger.info(
             "model %s ready in %.2f s (%s)",
