@@ -219,7 +219,7 @@ class Batcher(Generic[Result]):
         return len(self._pending) * longest >= self.limits.max_batch_tokens
 
     def _take_batch(self) -> _Batch[Result]:
-        """The oldest live row, then the rows closest to it in length, within the limits."""
+        """Drops cancelled and late rows, then takes the next batch (see `_choose`)."""
         now = time.monotonic()
         live: list[_Row[Result]] = []
         for row in self._pending:
@@ -229,30 +229,29 @@ class Batcher(Generic[Result]):
                 self._forget(row, "deadline")
             else:
                 live.append(row)
-        batch: _Batch[Result] = _Batch()
         if not live:
             self._pending = []
-            return batch
-        for row in self._choose(live):
-            batch.add(row)
+            return _Batch()
+        batch = self._choose(live)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
         for row in batch.rows:
             row.started = True
         return batch
 
-    def _choose(self, live: list[_Row[Result]]) -> list[_Row[Result]]:
+    def _choose(self, live: list[_Row[Result]]) -> _Batch[Result]:
         """The next batch: always with the oldest row, so that no row waits for ever."""
         anchor, limits = live[0], self.limits
+        batch: _Batch[Result] = _Batch()
         if limits.overhead_tokens is None:
-            chosen = [anchor]
-            longest = len(anchor.ids)
+            batch.add(anchor)
             for row in sorted(live[1:], key=lambda r: abs(len(r.ids) - len(anchor.ids))):
-                padded = (len(chosen) + 1) * max(longest, len(row.ids))
-                if len(chosen) < limits.max_batch_size and padded <= limits.max_batch_tokens:
-                    chosen.append(row)
-                    longest = max(longest, len(row.ids))
-            return chosen
+                if (
+                    len(batch.rows) < limits.max_batch_size
+                    and batch.padded_tokens(len(row.ids)) <= limits.max_batch_tokens
+                ):
+                    batch.add(row)
+            return batch
         by_length = sorted(live, key=lambda r: len(r.ids))
         lengths = [len(row.ids) for row in by_length]
         start, end = cheapest_group_of(
@@ -262,7 +261,9 @@ class Batcher(Generic[Result]):
             limits.max_batch_size,
             limits.max_batch_tokens,
         )
-        return by_length[start:end]
+        for row in by_length[start:end]:
+            batch.add(row)
+        return batch
 
     def _forget(self, row: _Row[Result], reason: str) -> None:
         if not row.future.done():

@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,10 @@ from bench.throughput import (
     sample_texts,
     server,
     wait_for_quiet,
+    write_bodies,
 )
 from scripts.spam_data import LABELS, LabelledText, load_splits
+from scripts.train_spam_adapter import compute_metrics
 
 TARGETS = ("spam-minilm", "spam-smollm2", "cascade")
 CLIENTS = 32
@@ -57,44 +60,17 @@ def score(url: str, model: str, rows: list[LabelledText]) -> dict[str, Any]:
             response.raise_for_status()
             predicted += [LABELS.index(ranked[0]["label"]) for ranked in response.json()]
             answered_by += response.headers["X-Answered-By"].split(",")
-    truth = [row.label for row in rows]
-    quality = metrics(truth, predicted)
+    quality = asdict(compute_metrics([row.label for row in rows], predicted))
     quality["escalated"] = sum(name != TARGETS[0] for name in answered_by)
     quality["escalated_share"] = quality["escalated"] / len(rows)
     return quality
 
 
-def metrics(truth: list[int], predicted: list[int]) -> dict[str, Any]:
-    """Accuracy, spam precision/recall/F1 and ham false-positive rate (spam = 1)."""
-    pairs = list(zip(truth, predicted, strict=True))
-    true_spam = sum(t == 1 and p == 1 for t, p in pairs)
-    false_spam = sum(t == 0 and p == 1 for t, p in pairs)
-    false_ham = sum(t == 1 and p == 0 for t, p in pairs)
-    hams = sum(t == 0 for t in truth)
-    precision = true_spam / max(true_spam + false_spam, 1)
-    recall = true_spam / max(true_spam + false_ham, 1)
-    return {
-        "n": len(truth),
-        "accuracy": sum(t == p for t, p in pairs) / len(truth),
-        "spam_precision": precision,
-        "spam_recall": recall,
-        "spam_f1": 2 * precision * recall / max(precision + recall, 1e-12),
-        "ham_false_positive_rate": false_spam / max(hams, 1),
-        "errors": false_spam + false_ham,
-    }
-
-
-def write_bodies(texts: list[str], model: str, path: Path) -> Path:
-    """One request body a line, for wrk's Lua script."""
-    lines = (json.dumps({"inputs": text, "model": model}) + "\n" for text in texts)
-    path.write_text("".join(lines), encoding="utf-8")
-    return path
-
-
 def throughput(url: str, texts: list[str], rounds: int, seconds: float) -> dict[str, Any]:
     """Requests/s and latency per target at CLIENTS connections, rounds interleaved."""
     bodies = {
-        model: write_bodies(texts, model, WORK / f"cascade-{model}.jsonl") for model in TARGETS
+        model: write_bodies(texts, WORK / f"cascade-{model}.jsonl", model=model)
+        for model in TARGETS
     }
     for model in TARGETS:  # warm-up: every text length once through each batcher
         run_wrk(url, CLIENTS, 3, bodies[model])
@@ -148,10 +124,11 @@ def markdown(report: dict[str, Any]) -> str:
     for model in TARGETS:
         q = quality[model]
         escalated = f"{q['escalated']} ({q['escalated_share']:.1%})" if model == "cascade" else ""
+        wrong = q["false_spam"] + q["false_ham"]
         lines.append(
             f"| {model} | {q['accuracy']:.2%} | {q['spam_precision']:.4f} "
             f"| {q['spam_recall']:.4f} | {q['spam_f1']:.4f} "
-            f"| {q['ham_false_positive_rate']:.2%} | {q['errors']} | {escalated} |"
+            f"| {q['ham_false_positive_rate']:.2%} | {wrong} | {escalated} |"
         )
     lines += [
         "",

@@ -206,9 +206,11 @@ def sample_texts(count: int) -> list[str]:
     return list(seen)
 
 
-def write_bodies(texts: list[str], path: Path) -> Path:
-    """One request body a line, for wrk's Lua script and the raw model alike."""
-    path.write_text("".join(json.dumps({"inputs": t}) + "\n" for t in texts), encoding="utf-8")
+def write_bodies(texts: list[str], path: Path, **fields: str) -> Path:
+    """One request body a line (`inputs` plus `fields`), for wrk's Lua script and the raw
+    model alike."""
+    lines = (json.dumps({"inputs": text, **fields}) + "\n" for text in texts)
+    path.write_text("".join(lines), encoding="utf-8")
     return path
 
 
