@@ -132,7 +132,7 @@ def _batcher(
 
     def on_batch(stats: BatchStats) -> None:
         metrics.batch_size.labels(name).observe(stats.rows)
-        metrics.batch_tokens.labels(name).observe(stats.padded_tokens)
+        metrics.batch_tokens.labels(name).observe(stats.tokens)
         metrics.batch_inference_seconds.labels(name).observe(stats.run_seconds)
         for seconds in stats.queue_seconds:
             metrics.queue_wait_seconds.labels(name).observe(seconds)
@@ -143,6 +143,7 @@ def _batcher(
         max_wait_seconds=settings.max_batch_wait_seconds,
         max_queue_requests=settings.max_queue_size,
         overhead_tokens=served.overhead_tokens,
+        packed=served.predictor.packs_batches,
     )
     batcher: Batcher[Scores] = Batcher(
         served.predictor.forward,

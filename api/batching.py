@@ -37,6 +37,10 @@ class BatchLimits:
     batch: the overhead plus its padded tokens), and the batch holding the oldest row runs;
     the others wait for the next turn. None: the rows closest in length to the oldest join
     it as long as they fit.
+
+    `packed`: batches run without padding (api.models.packing), so a batch costs its real
+    tokens whatever the lengths in it: the oldest rows join first, while they fit; the cost
+    model is not used.
     """
 
     max_batch_size: int = 32
@@ -44,6 +48,7 @@ class BatchLimits:
     max_wait_seconds: float = 0.002
     max_queue_requests: int = 256
     overhead_tokens: float | None = None
+    packed: bool = False
 
 
 @dataclass
@@ -51,7 +56,7 @@ class BatchStats:
     """What one run reported, for metrics."""
 
     rows: int
-    padded_tokens: int
+    tokens: int  # what the forward computes: padding counted unless packed
     queue_seconds: list[float]
     run_seconds: float
 
@@ -72,14 +77,20 @@ class _Row(Generic[Result]):
 
 @dataclass
 class _Batch(Generic[Result]):
+    packed: bool = False
     rows: list[_Row[Result]] = field(default_factory=list)
     longest: int = 0
+    real_tokens: int = 0
 
     def add(self, row: _Row[Result]) -> None:
         self.rows.append(row)
         self.longest = max(self.longest, len(row.ids))
+        self.real_tokens += len(row.ids)
 
-    def padded_tokens(self, extra: int = 0) -> int:
+    def tokens(self, extra: int = 0) -> int:
+        """Tokens the forward computes, with a row of `extra` tokens added if not 0."""
+        if self.packed:
+            return self.real_tokens + extra
         return (len(self.rows) + (1 if extra else 0)) * max(self.longest, extra)
 
 
@@ -215,8 +226,10 @@ class Batcher(Generic[Result]):
     def _full(self) -> bool:
         if len(self._pending) >= self.limits.max_batch_size:
             return True
-        longest = max(len(row.ids) for row in self._pending)
-        return len(self._pending) * longest >= self.limits.max_batch_tokens
+        pending = _Batch[Result](self.limits.packed)
+        for row in self._pending:
+            pending.add(row)
+        return pending.tokens() >= self.limits.max_batch_tokens
 
     def _take_batch(self) -> _Batch[Result]:
         """Drops cancelled and late rows, then takes the next batch (see `_choose`)."""
@@ -231,7 +244,7 @@ class Batcher(Generic[Result]):
                 live.append(row)
         if not live:
             self._pending = []
-            return _Batch()
+            return _Batch(self.limits.packed)
         batch = self._choose(live)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
@@ -242,13 +255,16 @@ class Batcher(Generic[Result]):
     def _choose(self, live: list[_Row[Result]]) -> _Batch[Result]:
         """The next batch: always with the oldest row, so that no row waits for ever."""
         anchor, limits = live[0], self.limits
-        batch: _Batch[Result] = _Batch()
-        if limits.overhead_tokens is None:
+        batch: _Batch[Result] = _Batch(limits.packed)
+        if limits.packed or limits.overhead_tokens is None:
             batch.add(anchor)
-            for row in sorted(live[1:], key=lambda r: abs(len(r.ids) - len(anchor.ids))):
+            others = live[1:]
+            if not limits.packed:
+                others.sort(key=lambda r: abs(len(r.ids) - len(anchor.ids)))
+            for row in others:
                 if (
                     len(batch.rows) < limits.max_batch_size
-                    and batch.padded_tokens(len(row.ids)) <= limits.max_batch_tokens
+                    and batch.tokens(len(row.ids)) <= limits.max_batch_tokens
                 ):
                     batch.add(row)
             return batch
@@ -284,7 +300,7 @@ class Batcher(Generic[Result]):
                 self._on_batch(
                     BatchStats(
                         rows=len(batch.rows),
-                        padded_tokens=batch.padded_tokens(),
+                        tokens=batch.tokens(),
                         queue_seconds=[started - row.enqueued for row in batch.rows],
                         run_seconds=time.monotonic() - started,
                     )

@@ -93,6 +93,9 @@ class ModelInfo(BaseModel):
     batch_overhead_tokens: float | None = Field(
         description="A forward's fixed cost in tokens, as the batcher uses it; null: no limit."
     )
+    packed_batches: bool = Field(
+        description="Batches run padding-free, the texts packed into one sequence."
+    )
     fingerprint: str = Field(description="Digest of the base files and adapter weights.")
 
 

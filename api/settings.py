@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     torch_compile: bool = Field(
         False, description="torch.compile each model's forward (slower start-up)."
     )
+    pack_batches: bool = Field(
+        True,
+        description="Run BERT/ELECTRA batches padding-free (checked against padded at load).",
+    )
     pad_to_multiple_of: int | None = Field(
         None, ge=1, description="Pad batches to a multiple of this many tokens (length buckets)."
     )
@@ -125,7 +129,7 @@ class Settings(BaseSettings):
     # --- dynamic batching (per model) ---
     max_batch_size: int = Field(32, ge=1, description="Most texts in one forward pass.")
     max_batch_tokens: int = Field(
-        8192, ge=1, description="Most tokens in one forward pass, padding counted."
+        8192, ge=1, description="Most tokens in one forward pass, padding counted if padded."
     )
     max_batch_wait_seconds: float = Field(
         0.0,

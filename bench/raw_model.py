@@ -2,14 +2,16 @@
 
 Run by `bench.throughput` in a process of its own (`python -m bench.raw_model BODIES`), so
 the thread count is set before torch starts and nothing else shares the process. It loads the
-model the way the server does (the same settings from the environment, `load_model`, the
-same warm-up), tokenizes every text once with `Predictor.encode` — tokenizing is then not
-timed — and prints one JSON line: texts/s for each way of forming batches.
+model as the server does (the same settings from the environment, the server's `Registry`:
+packing where it applies, the same warm-up), tokenizes every text once with
+`Predictor.encode` — tokenizing is then not timed — and prints one JSON line: texts/s for
+each way of forming batches.
 
-- `batch32`: batches of 32 in the texts' own order, padded to the longest row — the plain
-  "model's own limit" the served system is compared with;
-- `batch32_sorted`: the same texts sorted by length first, so a batch carries almost no
-  padding — the best case for any batcher (the server's batcher groups rows close in length);
+- `batch32`: batches of 32 in the texts' own order, run as the server runs them (packed
+  where the model packs) — the "model's own limit" the served system is compared with;
+- `batch32_sorted`: the same texts sorted by length first, so a padded batch carries almost
+  no padding — the best case for a padding batcher;
+- `batch32_padded`: batch32 padded to each batch's longest row (what packing saves);
 - `batch1`: one text per forward — what a server without batching can reach at most.
 """
 
@@ -23,8 +25,8 @@ from pathlib import Path
 import torch
 
 from api.cli import quiet_libraries
-from api.models.loader import load_model
 from api.models.predictor import Predictor
+from api.models.registry import Registry
 from api.models.spec import load_models_file
 from api.settings import load_settings
 
@@ -37,9 +39,10 @@ def load_predictor(threads: int) -> Predictor:
     torch.set_num_threads(threads)
     settings = load_settings(torch_num_threads=threads)
     spec = load_models_file(settings.models_file, settings.adapter_dirs)[0]
-    predictor = Predictor(load_model(spec, settings), settings.pad_to_multiple_of)
-    predictor.warm_up(1)  # what the server does before it reports ready
-    return predictor
+    registry = Registry([spec], settings)
+    registry.load_all()  # loads, packs where it applies, warms up: what the server does
+    registry.close()  # its device thread: here every forward runs on the main thread
+    return registry.models[spec.name].predictor
 
 
 def batches_of(rows: Rows, size: int) -> list[Rows]:
@@ -66,10 +69,13 @@ def measure(bodies: Path, threads: int, seconds: float) -> dict[str, float]:
     predictor = load_predictor(threads)
     rows = predictor.encode(texts)
     by_length = sorted(rows, key=len)
+    padded = Predictor(predictor.loaded, predictor.pad_to_multiple_of)  # never packs
     return {
         "batch32": texts_per_second(predictor, batches_of(rows, 32), seconds),
         "batch32_sorted": texts_per_second(predictor, batches_of(by_length, 32), seconds),
+        "batch32_padded": texts_per_second(padded, batches_of(rows, 32), seconds),
         "batch1": texts_per_second(predictor, batches_of(rows, 1), seconds),
+        "packed": float(predictor.packs_batches),
         "threads": float(torch.get_num_threads()),
         "mean_tokens": sum(map(len, rows)) / len(rows),
     }

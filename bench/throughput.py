@@ -53,10 +53,9 @@ WORK = REPO / "bench" / "out" / "throughput"  # git-ignored: bodies, server logs
 
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
 NAIVE = {"MAX_BATCH_SIZE": "1"}
-# The batcher settings this bench found best on the 2-core CPU (see the report): a small
-# token budget per forward keeps each batch to texts of similar length, so far less padding
-# is computed. Measured as a third system, "tuned"; --no-tuned leaves it out.
-TUNED = {"MAX_BATCH_TOKENS": "384"}
+# A third system beside served and naive, "variant": by default the same server with padded
+# batches (cut by the batch cost model), what packing replaced; --no-variant leaves it out.
+VARIANT = {"PACK_BATCHES": "false"}
 # The targets this report is judged on.
 TARGET_CLIENTS = 32
 TARGET_VS_NAIVE = 3.0
@@ -82,7 +81,7 @@ class Config:
     cache_seconds: float
     load_wait: float
     out: Path
-    tuned_env: dict[str, str] = field(default_factory=dict)  # empty: no tuned system
+    variant_env: dict[str, str] = field(default_factory=dict)  # empty: no variant system
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ class Point:
     server_mean_ms: float  # the server's own request histogram, Δsum/Δcount
     mean_batch: float  # texts per forward
     model_busy: float  # share of the wall time a forward was running
-    padded_tokens_per_text: float
+    tokens_per_text: float
     server_cores: float  # CPU seconds per second of the server process
     client_cores: float  # … of wrk
     other_cores: float  # … of everything else on the machine
@@ -374,7 +373,7 @@ def to_point(
         ),
         mean_batch=round(texts / max(batches, 1), 2),
         model_busy=round(delta["loraserve_batch_inference_seconds_sum"] / seconds, 3),
-        padded_tokens_per_text=round(delta["loraserve_batch_tokens_sum"] / max(texts, 1), 1),
+        tokens_per_text=round(delta["loraserve_batch_tokens_sum"] / max(texts, 1), 1),
         server_cores=round(server_s / seconds, 2),
         client_cores=round(client_s / seconds, 2),
         other_cores=round(max(0.0, total_s - server_s - client_s) / seconds, 2),
@@ -384,8 +383,8 @@ def to_point(
 def served_and_naive(config: Config, bodies: Path) -> list[Point]:
     """The servers up side by side; at each concurrency each runs, the order rotating."""
     envs = {"served": CACHE_OFF, "naive": {**CACHE_OFF, **NAIVE}}
-    if config.tuned_env:
-        envs["tuned"] = {**CACHE_OFF, **config.tuned_env}
+    if config.variant_env:
+        envs["variant"] = {**CACHE_OFF, **config.variant_env}
     points: list[Point] = []
     with ExitStack() as stack:
         systems = [
@@ -466,12 +465,12 @@ def by_clients(points: list[Point], system: str) -> dict[int, Point]:
 def targets(points: list[Point], raw: dict[str, float], hit: CacheHit) -> list[dict[str, Any]]:
     """Each target with the measured value and whether it is met.
 
-    The targets are judged on "served" (the shipped settings); "tuned", when measured, is
+    The targets are judged on "served" (the shipped settings); "variant", when measured, is
     checked against the same throughput and latency targets for comparison.
     """
     naive = by_clients(points, "naive")
     found: list[dict[str, Any]] = []
-    for system in ("served", "tuned"):
+    for system in ("served", "variant"):
         mine = by_clients(points, system)
         if not mine:
             continue
@@ -531,15 +530,15 @@ def table(points: list[Point], raw: dict[str, float]) -> list[str]:
     return lines
 
 
-def tuned_table(points: list[Point], raw: dict[str, float]) -> list[str]:
-    served, naive, tuned = (by_clients(points, s) for s in ("served", "naive", "tuned"))
+def variant_table(points: list[Point], raw: dict[str, float]) -> list[str]:
+    served, naive, variant = (by_clients(points, s) for s in ("served", "naive", "variant"))
     lines = [
-        "| clients | tuned req/s | tuned p50 ms | tuned p99 ms | tuned / served "
-        "| tuned / naive | tuned / raw |",
+        "| clients | variant req/s | variant p50 ms | variant p99 ms | variant / served "
+        "| variant / naive | variant / raw |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for clients in sorted(set(tuned) & set(served) & set(naive)):
-        t, rps = tuned[clients], tuned[clients].requests_per_s
+    for clients in sorted(set(variant) & set(served) & set(naive)):
+        t, rps = variant[clients], variant[clients].requests_per_s
         lines.append(
             f"| {clients} | {rps:.1f} | {t.p50_ms:.1f} | {t.p99_ms:.1f} "
             f"| {rps / served[clients].requests_per_s:.2f} "
@@ -550,16 +549,16 @@ def tuned_table(points: list[Point], raw: dict[str, float]) -> list[str]:
 
 def diagnostics(points: list[Point]) -> list[str]:
     lines = [
-        "| system | clients | mean batch | model busy | padded tokens / text | server cores "
+        "| system | clients | mean batch | model busy | tokens computed / text | server cores "
         "| wrk cores | other cores | server mean ms | statuses | socket errors | tries |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
-    order = {"served": 0, "tuned": 1, "naive": 2}
+    order = {"served": 0, "variant": 1, "naive": 2}
     for p in sorted(points, key=lambda p: (order.get(p.system, 3), p.clients)):
         statuses = ", ".join(f"{s}: {n}" for s, n in sorted(p.statuses.items()))
         lines.append(
             f"| {p.system} | {p.clients} | {p.mean_batch:.1f} | {p.model_busy:.0%} "
-            f"| {p.padded_tokens_per_text:.1f} | {p.server_cores:.2f} | {p.client_cores:.2f} "
+            f"| {p.tokens_per_text:.1f} | {p.server_cores:.2f} | {p.client_cores:.2f} "
             f"| {p.other_cores:.2f} | {p.server_mean_ms:.1f} | {statuses} | {p.socket_errors} "
             f"| {p.attempts} |"
         )
@@ -574,15 +573,15 @@ def ceilings(points: list[Point], raw: dict[str, float]) -> list[str]:
         return []
     s, n = served[TARGET_CLIENTS], naive[TARGET_CLIENTS]
     return [
-        f"Bounds at {TARGET_CLIENTS} clients, from this run: even a batcher with no padding and "
-        f"no HTTP cost would reach {raw['batch32_sorted'] / n.requests_per_s:.2f}× naive "
-        f"(raw length-sorted {raw['batch32_sorted']:.0f} / naive {n.requests_per_s:.0f} "
-        f"texts/s); batching itself, padding aside, buys "
-        f"{raw['batch32_sorted'] / raw['batch1']:.2f}× over one text a forward (raw sorted "
-        f"batch 32 / raw batch 1), and padding in the texts' order costs "
-        f"{raw['batch32_sorted'] / raw['batch32']:.2f}× (raw sorted / raw in order). The "
-        f"served batches carried {s.padded_tokens_per_text:.1f} tokens per text, padding "
-        f"counted, for {raw['mean_tokens']:.1f} real ones.",
+        f"Bounds at {TARGET_CLIENTS} clients, from this run: even with no HTTP cost and every "
+        f"batch full, a server of one-text requests would reach "
+        f"{raw['batch32'] / n.requests_per_s:.2f}× naive (raw batch 32 "
+        f"{raw['batch32']:.0f} / naive {n.requests_per_s:.0f} texts/s): batching buys "
+        f"{raw['batch32'] / raw['batch1']:.2f}× over one text a forward (raw batch 32 / raw "
+        f"batch 1). Padding in the texts' order would cost "
+        f"{raw['batch32'] / raw['batch32_padded']:.2f}× (raw batch 32 as served / padded). "
+        f"The served batches computed {s.tokens_per_text:.1f} tokens per text for "
+        f"{raw['mean_tokens']:.1f} real ones.",
         "",
     ]
 
@@ -617,7 +616,7 @@ def markdown(
         f"- Model: {meta['model']}. Every server: `python -m api.cli` with "
         "LRU_CACHE_ENTRIES=0, DISK_CACHE_MAX_BYTES=0; served keeps every other setting as "
         f"shipped; naive adds {env_text(NAIVE)}"
-        + (f"; tuned adds {env_text(config['tuned_env'])}" if config["tuned_env"] else "")
+        + (f"; variant adds {env_text(config['variant_env'])}" if config["variant_env"] else "")
         + ". They run side by side (an idle one costs nothing) and take turns at each "
         "concurrency, the order rotating.",
         "",
@@ -629,21 +628,22 @@ def markdown(
         "",
         *(
             [
-                f"The same under the tuned batcher ({env_text(config['tuned_env'])}), "
+                f"The same under the variant batcher ({env_text(config['variant_env'])}), "
                 "in the same run:",
                 "",
-                *tuned_table(points, raw),
+                *variant_table(points, raw),
                 "",
             ]
-            if config["tuned_env"]
+            if config["variant_env"]
             else []
         ),
         f"Raw model (no HTTP, one process, pre-tokenized, {config['duration']:g} s each): "
-        f"**{raw['batch32']:.1f} texts/s** at batch 32 in the texts' order (the 'raw' above); "
-        f"{raw['batch32_sorted']:.1f} texts/s at batch 32 with the texts sorted by length "
-        f"(almost no padding: the best case for any batcher); {raw['batch1']:.1f} texts/s at "
-        f"batch 1 (the most a server without batching could do). Mean text length "
-        f"{raw['mean_tokens']:.1f} tokens.",
+        f"**{raw['batch32']:.1f} texts/s** at batch 32 in the texts' order, run as the server "
+        f"runs it ({'packed' if raw.get('packed') else 'padded'}; the 'raw' above); "
+        f"{raw['batch32_sorted']:.1f} texts/s with the texts sorted by length first; "
+        f"{raw['batch32_padded']:.1f} texts/s padded in the texts' order; "
+        f"{raw['batch1']:.1f} texts/s at batch 1 (the most a server without batching could "
+        f"do). Mean text length {raw['mean_tokens']:.1f} tokens.",
         "",
         f"Cache hit (server as shipped, LRU on; one text sent once, then repeated by one wrk "
         f"connection for {config['cache_seconds']:g} s, {hit.requests} requests, "
@@ -685,7 +685,7 @@ def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
         print("no matplotlib: skipping the plot (pip install matplotlib)", file=sys.stderr)
         return False
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.4))
-    styles = (("served", "o-", "C0"), ("tuned", "^-.", "C2"), ("naive", "s--", "C1"))
+    styles = (("served", "o-", "C0"), ("variant", "^-.", "C2"), ("naive", "s--", "C1"))
     for system, style, color in styles:
         mine = sorted((p for p in points if p.system == system), key=lambda p: p.clients)
         if not mine:
@@ -696,7 +696,7 @@ def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
         middle.plot(
             xs, [p.p50_ms for p in mine], style, color=color, alpha=0.4, label=f"{system} p50"
         )
-        right.plot(xs, [p.padded_tokens_per_text for p in mine], style, color=color, label=system)
+        right.plot(xs, [p.tokens_per_text for p in mine], style, color=color, label=system)
     left.axhline(raw["batch32"], color="grey", linestyle=":", label="raw, batch 32")
     left.axhline(raw["batch32_sorted"], color="olive", linestyle=":", label="raw, 32 by length")
     left.axhline(raw["batch1"], color="brown", linestyle=":", label="raw, batch 1")
@@ -706,7 +706,7 @@ def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
     right.axhline(raw["mean_tokens"], color="grey", linestyle=":", label="real tokens / text")
     right.set(
         xlabel="concurrent clients",
-        ylabel="tokens computed per text (padding counted)",
+        ylabel="tokens computed per text (padding counted unless packed)",
         ylim=(0, None),
     )
     clients = sorted({p.clients for p in points})
@@ -758,12 +758,12 @@ def parse_args(argv: list[str] | None) -> Config:
         "--load-wait", type=float, help="most seconds to wait for a quiet machine (default 900)"
     )
     parser.add_argument(
-        "--tuned-env",
+        "--variant-env",
         action="append",
         metavar="KEY=VALUE",
-        help=f"settings of the tuned server (default {env_text(TUNED)}); repeatable",
+        help=f"settings of the variant server (default {env_text(VARIANT)}); repeatable",
     )
-    parser.add_argument("--no-tuned", action="store_true", help="leave the tuned server out")
+    parser.add_argument("--no-variant", action="store_true", help="leave the variant server out")
     parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 2 s points, 1 and 32 clients"
@@ -780,11 +780,11 @@ def parse_args(argv: list[str] | None) -> Config:
         cache_seconds=1.0 if quick else 3.0,
         load_wait=args.load_wait if args.load_wait is not None else (0.0 if quick else 900.0),
         out=args.out or (REPO / "bench" / "out" / "throughput-quick" if quick else REPORTS),
-        tuned_env={}
-        if args.no_tuned
-        else dict(item.split("=", 1) for item in args.tuned_env)
-        if args.tuned_env
-        else TUNED,
+        variant_env={}
+        if args.no_variant
+        else dict(item.split("=", 1) for item in args.variant_env)
+        if args.variant_env
+        else VARIANT,
     )
 
 

@@ -57,22 +57,27 @@ def test_ready_after_load_lists_both_models(client: TestClient) -> None:
         assert model["adapters"] == ["spam", "promo"] and model["adapter_mode"] == "unmerged"
         assert set(model["load_seconds"]) == set(PHASES)
         assert model["load_seconds"]["warmup"] > 0
-        # Measured at warm-up (tiny models cost almost nothing per token, so the measured
-        # slope may be none: then no limit); tests/test_loader.py checks the arithmetic.
-        overhead = model["batch_overhead_tokens"]
-        assert overhead is None or overhead >= 0
+    bert, llama = models
+    # The encoder runs packed, so it needs no cost model; the decoder is padded and has one,
+    # measured at warm-up (tiny models cost almost nothing per token, so the measured slope
+    # may be none: then no limit); tests/test_loader.py checks the arithmetic.
+    assert bert["packed_batches"] and bert["batch_overhead_tokens"] is None
+    assert not llama["packed_batches"]
+    assert llama["batch_overhead_tokens"] is None or llama["batch_overhead_tokens"] >= 0
 
 
 def test_batch_overhead_setting_reaches_models_and_batchers(
     tiny_bert: TinyModel,
 ) -> None:
-    app = create_app(make_settings(batch_overhead_tokens=12.5), [spec_for(tiny_bert)])
+    settings = make_settings(batch_overhead_tokens=12.5, pack_batches=False)
+    app = create_app(settings, [spec_for(tiny_bert)])
     with TestClient(app) as client:
         wait_ready(client)
         (model,) = client.get("/models").json()["models"]
-        assert model["batch_overhead_tokens"] == 12.5
+        assert model["batch_overhead_tokens"] == 12.5 and not model["packed_batches"]
         (runner,) = app.state.service.runners.values()
         assert runner.batcher.limits.overhead_tokens == 12.5
+        assert not runner.batcher.limits.packed
 
 
 def test_predict_one_text_answers_a_ranked_label_list(client: TestClient) -> None:

@@ -66,6 +66,7 @@ def batcher_for(
             max_wait_seconds=values["max_wait_seconds"],
             max_queue_requests=int(values.get("max_queue_requests", 100)),
             overhead_tokens=values.get("overhead_tokens"),
+            packed=bool(values.get("packed", False)),
         ),
         executor,
     )
@@ -164,6 +165,30 @@ async def test_costly_forwards_take_every_row_that_fits(executor: ThreadPoolExec
         fake, executor, max_batch_size=10, max_wait_seconds=0, overhead_tokens=1000
     )
     assert await queue_behind_a_held_batch(batcher, fake, [30, 2, 31, 29]) == [[2, 29, 30, 31]]
+    await batcher.stop()
+
+
+async def test_packed_batches_count_real_tokens_and_take_the_oldest_rows(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # Packed, a batch costs its real tokens whatever their lengths: rows join oldest first
+    # while they fit in 40 tokens (padded, 30 and 2 alone would count 60); 31 waits.
+    fake = FakePredictor()
+    batcher = batcher_for(
+        fake, executor, max_batch_size=10, max_batch_tokens=40, max_wait_seconds=0, packed=True
+    )
+    batches = await queue_behind_a_held_batch(batcher, fake, [30, 2, 31, 5, 1])
+    assert batches == [[1, 2, 5, 30], [31]]
+    await batcher.stop()
+
+
+async def test_packed_stats_count_no_padding(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    seen: list[BatchStats] = []
+    batcher = batcher_for(fake, executor, max_batch_size=2, max_wait_seconds=30, packed=True)
+    batcher._on_batch = seen.append
+    await asyncio.gather(batcher.submit([[1, 1, 1]], ["a"], 5), batcher.submit([[2]], ["a"], 5))
+    assert len(seen) == 1 and seen[0].rows == 2 and seen[0].tokens == 4
     await batcher.stop()
 
 
@@ -295,6 +320,6 @@ async def test_stats_report_each_batch(executor: ThreadPoolExecutor) -> None:
     batcher = batcher_for(fake, executor, max_batch_size=2, max_wait_seconds=30)
     batcher._on_batch = seen.append
     await asyncio.gather(batcher.submit([[1, 1, 1]], ["a"], 5), batcher.submit([[2]], ["a"], 5))
-    assert len(seen) == 1 and seen[0].rows == 2 and seen[0].padded_tokens == 6
+    assert len(seen) == 1 and seen[0].rows == 2 and seen[0].tokens == 6  # 2 rows × 3, padded
     assert len(seen[0].queue_seconds) == 2 and seen[0].run_seconds >= 0
     await batcher.stop()

@@ -62,6 +62,8 @@ def test_embedded_default_models_tell_spam_from_ham(tmp_path: Path) -> None:
 
         models = {m["name"]: m for m in httpx.get(f"{server.url}/models").json()["models"]}
         assert list(models) == ["spam-minilm", "spam-smollm2"]
+        assert models["spam-minilm"]["packed_batches"]
+        assert not models["spam-smollm2"]["packed_batches"]
         llm = models["spam-smollm2"]
         assert llm["architecture"] == "LlamaForSequenceClassification"
         assert llm["quantization"] == "nf4" and llm["adapter_mode"] == "unmerged"

@@ -1,4 +1,5 @@
-"""Builds tiny but real checkpoints (a BERT and a Llama) with LoRA adapters, on disk."""
+"""Builds tiny but real checkpoints (a BERT and a Llama with LoRA adapters, and other
+encoder classifiers with their heads), on disk."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
     BertModel,
+    ElectraConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    RobertaConfig,
 )
 
 from api.models.spec import EMBEDDED_MODELS_FILE
@@ -129,6 +132,32 @@ def build_bert(folder: Path, seed: int = 0) -> Path:
         pad_token_id=0,
     )
     BertModel(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def build_encoder_classifier(folder: Path, model_type: str, seed: int = 0) -> Path:
+    """A 2-layer `electra` or `roberta` classifier with a random head, no adapter needed."""
+    torch.manual_seed(seed)
+    build_tokenizer(folder, decoder=False)
+    common: dict[str, object] = {
+        "vocab_size": len(_vocab()),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 72,
+        "pad_token_id": 0,
+        "num_labels": len(LABELS),
+        "id2label": dict(enumerate(LABELS)),
+        "label2id": {label: index for index, label in enumerate(LABELS)},
+    }
+    config = (
+        ElectraConfig(embedding_size=32, **common)
+        if model_type == "electra"
+        else RobertaConfig(**common)
+    )
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 

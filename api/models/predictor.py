@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -10,6 +11,9 @@ from typing import Any
 import torch
 
 from api.models.loader import LoadedModel
+from api.models.packing import PackedRunner, PackingUnsupported, tolerance
+
+logger = logging.getLogger(__name__)
 
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 
@@ -43,6 +47,45 @@ class Predictor:
         self._tokenizer = loaded.tokenizer
         self._sigmoid = loaded.problem_type == "multi_label_classification"
         self._active_adapter: str | None = None
+        self._packed: PackedRunner | None = None
+
+    @property
+    def packs_batches(self) -> bool:
+        """Batches run padding-free (see api.models.packing)."""
+        return self._packed is not None
+
+    def enable_packing(self) -> bool:
+        """Runs batches packed from now on, if this model can and a packed forward of a probe
+        batch gives the padded forward's logits; else stays padded, saying why in the log.
+
+        Run it on the thread that serves, before the warm-up (which then warms the packed
+        path). The probe's rows have one length, so dynamic int8 sees the same activations
+        either way and the two must agree to rounding.
+        """
+        name = self.loaded.spec.name
+        try:
+            packed = PackedRunner(self.loaded.model, self.loaded.device)
+        except PackingUnsupported as exc:
+            logger.info("model %s runs padded batches: %s", name, exc)
+            return False
+        length = min(8, self.max_length)
+        vocab = max(2, len(self._tokenizer))
+        probe = [[(1 + row * length + i) % vocab for i in range(length)] for row in range(3)]
+        adapters: list[str | None] = [None] * len(probe)
+        try:
+            packed.attach()
+            padded = self._logits(probe, adapters)
+            self._packed = packed
+            difference = (self._logits(probe, adapters) - padded).abs().max().item()
+            reason = f"packed logits differ from padded ones by {difference:.3g}"
+            if difference <= tolerance(padded.dtype):
+                return True
+        except Exception as exc:  # whatever breaks a packed forward keeps the model padded
+            reason = f"a packed forward fails: {type(exc).__name__}: {exc}"
+        self._packed = None
+        packed.detach()
+        logger.warning("model %s runs padded batches: %s", name, reason)
+        return False
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids of each text, cut to the model's max length (or refused if truncate)."""
@@ -61,14 +104,7 @@ class Predictor:
     @torch.inference_mode()
     def forward(self, batch: list[list[int]], adapters: list[str | None]) -> list[Scores]:
         """Scores a batch of token-id rows; `adapters[i]` names row i's adapter."""
-        inputs = self._tokenizer.pad(
-            {"input_ids": batch},
-            padding=True,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            return_tensors="pt",
-        )
-        inputs = {name: self._to_device(tensor) for name, tensor in inputs.items()}
-        logits = self._model_logits(inputs, adapters).float()
+        logits = self._logits(batch, adapters).float()
         probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)
         return [
             Scores(tuple(p), tuple(raw))
@@ -124,16 +160,29 @@ class Predictor:
         token = self._tokenizer.convert_tokens_to_ids(self._tokenizer.unk_token or "a")
         return [[token if isinstance(token, int) else 0] * length for _ in range(rows)]
 
-    def _model_logits(self, inputs: dict[str, Any], adapters: list[str | None]) -> torch.Tensor:
+    @torch.inference_mode()
+    def _logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
         model: Any = self.loaded.model
         default = self.loaded.spec.active_default_adapter
         names = [name or default for name in adapters]
-        if not self.loaded.adapters or self.loaded.merged:
+        switchable = bool(self.loaded.adapters) and not self.loaded.merged
+        one_adapter = not switchable or len(set(names)) == 1
+        if switchable and one_adapter and names[0] != self._active_adapter:
+            model.set_adapter(names[0])
+            self._active_adapter = names[0]
+        if one_adapter and self._packed is not None and len(batch) > 1:  # 1 text: no padding
+            inputs = self._packed.inputs(batch)
+            with self._packed.padded_encoder_output(inputs["packed_layout"]):
+                return model(**inputs).logits  # type: ignore[no-any-return]
+        padded = self._tokenizer.pad(
+            {"input_ids": batch},
+            padding=True,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            return_tensors="pt",
+        )
+        inputs = {name: self._to_device(tensor) for name, tensor in padded.items()}
+        if one_adapter:
             return model(**inputs).logits  # type: ignore[no-any-return]
-        if len(set(names)) == 1:
-            if names[0] != self._active_adapter:
-                model.set_adapter(names[0])
-                self._active_adapter = names[0]
-            return model(**inputs).logits  # type: ignore[no-any-return]
+        # peft's mixed-adapter inference: each row its own adapter (padded batches only).
         rows = [name or BASE_ADAPTER for name in names]
         return model(**inputs, adapter_names=rows).logits  # type: ignore[no-any-return]

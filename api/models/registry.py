@@ -112,6 +112,8 @@ class Registry:
         # Timed once every model is in, one at a time: a load beside it would skew it.
         if self.settings.warmup and self.settings.batch_overhead_tokens is None:
             for served in self.in_order():
+                if served.predictor.packs_batches:
+                    continue  # a packed batch costs its real tokens: no lengths to weigh
                 with timed(served.loaded.phases, "warmup"):
                     measure = served.predictor.overhead_tokens
                     device = self.device_thread(served.loaded.device)
@@ -123,6 +125,10 @@ class Registry:
         try:
             loaded = load_model(spec, self.settings)
             predictor = Predictor(loaded, self.settings.pad_to_multiple_of)
+            if self.settings.pack_batches and not self.settings.torch_compile:
+                with timed(loaded.phases, "warmup"):
+                    device = self.device_thread(loaded.device)
+                    device.submit(predictor.enable_packing).result()
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):

@@ -49,6 +49,7 @@ def model_info(served: ServedModel) -> ModelInfo:
         weight_bytes=loaded.weight_bytes,
         load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},
         batch_overhead_tokens=served.overhead_tokens,
+        packed_batches=served.predictor.packs_batches,
         fingerprint=served.fingerprint(spec.active_default_adapter),
     )
 

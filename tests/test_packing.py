@@ -1,0 +1,147 @@
+"""Padding-free batches on the real loader: the padded forward's answers, or no packing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from api.models import packing
+from api.models.loader import load_model
+from api.models.predictor import Predictor
+from tests.conftest import make_settings, spec_for
+from tests.tiny_models import TinyModel, build_encoder_classifier
+
+# Lengths from 3 to 30 tokens in one batch: padded, most rows carry padding.
+TEXTS = [
+    "win",
+    "call now",
+    "are we still meeting for lunch tomorrow or not, tell me soon please",
+    "free prize claim",
+    "ok lunch now, call me",
+    "winner! call 0800 to claim your free prize today",
+]
+
+
+def logits(predictor: Predictor, rows: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
+    return torch.tensor([scores.logits for scores in predictor.forward(rows, adapters)])
+
+
+@pytest.fixture(scope="module")
+def tiny_electra(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return TinyModel(build_encoder_classifier(tmp_path_factory.mktemp("electra"), "electra"), {})
+
+
+@pytest.fixture(scope="module")
+def tiny_roberta(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return TinyModel(build_encoder_classifier(tmp_path_factory.mktemp("roberta"), "roberta"), {})
+
+
+def test_packed_forward_gives_the_padded_logits(
+    tiny_bert: TinyModel, tiny_electra: TinyModel
+) -> None:
+    for spec in (spec_for(tiny_bert, adapters=("spam",)), spec_for(tiny_electra, adapters=())):
+        predictor = Predictor(load_model(spec, make_settings()))
+        rows = predictor.encode(TEXTS)
+        assert len({len(row) for row in rows}) == len(rows)  # every row a different length
+        padded = logits(predictor, rows, [None] * len(rows))
+
+        assert predictor.enable_packing() and predictor.packs_batches
+        packed = logits(predictor, rows, [None] * len(rows))
+        alone = torch.cat([logits(predictor, [row], [None]) for row in rows])
+
+        assert torch.allclose(packed, padded, atol=1e-5), (packed - padded).abs().max()
+        assert torch.allclose(alone, padded, atol=1e-5)
+
+
+def test_packed_dynamic_int8_answers_like_padded(tiny_bert: TinyModel) -> None:
+    # Dynamic int8 scales activations over the whole batch, padding included when padded:
+    # the two differ as two batchings differ, not more.
+    spec = spec_for(tiny_bert, adapters=("spam",), quantization="dynamic-int8")
+    predictor = Predictor(load_model(spec, make_settings()))
+    rows = predictor.encode(TEXTS)
+    padded = torch.tensor([s.probabilities for s in predictor.forward(rows, [None] * len(rows))])
+
+    assert predictor.enable_packing()
+    packed = torch.tensor([s.probabilities for s in predictor.forward(rows, [None] * len(rows))])
+    assert torch.allclose(packed, padded, atol=0.05)
+    assert torch.equal(packed.argmax(dim=1), padded.argmax(dim=1))
+
+
+def test_unmerged_adapters_pack_one_adapter_batches_and_pad_mixed_ones(
+    tiny_bert: TinyModel,
+) -> None:
+    predictor = Predictor(load_model(spec_for(tiny_bert), make_settings()))
+    rows = predictor.encode(TEXTS)
+    spam = logits(predictor, rows, ["spam"] * len(rows))
+    promo = logits(predictor, rows, ["promo"] * len(rows))
+    half = len(rows) // 2
+    mixed_adapters: list[str | None] = ["spam"] * half + ["promo"] * (len(rows) - half)
+
+    assert predictor.enable_packing()
+    assert torch.allclose(logits(predictor, rows, ["spam"] * len(rows)), spam, atol=1e-5)
+    assert torch.allclose(logits(predictor, rows, ["promo"] * len(rows)), promo, atol=1e-5)
+    mixed = logits(predictor, rows, mixed_adapters)
+    assert torch.allclose(mixed, torch.cat([spam[:half], promo[half:]]), atol=1e-5)
+
+
+def test_decoder_models_stay_padded(tiny_llama: TinyModel) -> None:
+    predictor = Predictor(load_model(spec_for(tiny_llama, adapters=("spam",)), make_settings()))
+    rows = predictor.encode(TEXTS)
+    before = logits(predictor, rows, [None] * len(rows))
+
+    assert not predictor.enable_packing() and not predictor.packs_batches
+    assert torch.equal(logits(predictor, rows, [None] * len(rows)), before)
+
+
+def test_eager_attention_stays_padded(tiny_bert: TinyModel) -> None:
+    settings = make_settings(attn_implementation="eager")
+    predictor = Predictor(load_model(spec_for(tiny_bert, adapters=("spam",)), settings))
+    assert not predictor.enable_packing()
+
+
+def test_the_load_check_refuses_a_packing_that_answers_differently(
+    tiny_roberta: TinyModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # RoBERTa counts positions from its padding index, not 0: were it let through the
+    # architecture list, the probe must catch the different answers and keep it padded.
+    monkeypatch.setattr(packing, "PACKABLE_MODEL_TYPES", frozenset({"roberta"}))
+    predictor = Predictor(load_model(spec_for(tiny_roberta, adapters=()), make_settings()))
+    rows = predictor.encode(TEXTS)
+    before = logits(predictor, rows, [None] * len(rows))
+
+    with caplog.at_level(logging.WARNING):
+        assert not predictor.enable_packing()
+    assert "packed logits differ from padded ones" in caplog.text
+    assert predictor.loaded.model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(predictor, rows, [None] * len(rows)), before)
+
+
+def test_packing_is_off_on_a_gpu(tiny_bert: TinyModel) -> None:
+    loaded = load_model(spec_for(tiny_bert, adapters=("spam",)), make_settings())
+    with pytest.raises(packing.PackingUnsupported, match="for CPUs"):
+        packing.PackedRunner(loaded.model, torch.device("cuda"))
+
+
+def test_layout_attends_within_each_text_only() -> None:
+    # 11 texts: two attention blocks of texts sorted by length, uneven and even ones.
+    lengths = [3, 1, 5, 2, 2, 4, 5, 1, 3, 2, 2]
+    layout = packing.PackedLayout.of(lengths, torch.device("cpu"))
+    assert layout.positions.tolist() == [[i for n in lengths for i in range(n)]]
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(1, 2, sum(lengths), 4) for _ in range(3))
+
+    got = layout.attend(query, key, value, scaling=None)
+
+    expected, start = [], 0
+    for n in lengths:
+        q, k, v = (t[:, :, start : start + n] for t in (query, key, value))
+        expected.append(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        start += n
+    want = torch.cat(expected, dim=2).transpose(1, 2)  # [1, tokens, heads, dim]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+
+    hidden = layout.pad_hidden(torch.arange(float(sum(lengths))).reshape(1, -1, 1))
+    assert hidden.shape == (len(lengths), max(lengths), 1)
+    assert hidden[1, :, 0].tolist() == [3, 0, 0, 0, 0]  # the 1-token text, zeros after
