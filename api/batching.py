@@ -13,6 +13,10 @@ from typing import Any, Generic, TypeVar
 logger = logging.getLogger(__name__)
 
 Result = TypeVar("Result")
+# The cost model weighs the oldest this many batches' worth of rows: later ones would not run
+# for several turns anyway, and its dynamic programme runs in the event loop in
+# O(rows × max_batch_size) (8,192 rows would hold the loop ~40 ms a batch).
+COST_MODEL_WINDOW_BATCHES = 4
 PredictBatch = Callable[[list[list[int]], list[str | None]], Sequence[Result]]
 
 
@@ -268,7 +272,8 @@ class Batcher(Generic[Result]):
                 ):
                     batch.add(row)
             return batch
-        by_length = sorted(live, key=lambda r: len(r.ids))
+        window = live[: COST_MODEL_WINDOW_BATCHES * limits.max_batch_size]
+        by_length = sorted(window, key=lambda r: len(r.ids))
         lengths = [len(row.ids) for row in by_length]
         start, end = cheapest_group_of(
             lengths,

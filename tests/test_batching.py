@@ -158,6 +158,24 @@ async def test_cost_model_keeps_short_texts_out_of_a_long_batch(
     await batcher.stop()
 
 
+async def test_cost_model_weighs_only_the_oldest_rows(executor: ThreadPoolExecutor) -> None:
+    # 2 rows a batch: the cost model looks at the oldest 8 rows. The last 30-token row, 9th,
+    # would pair with the oldest if it were looked at; it waits its turn instead.
+    fake = FakePredictor()
+    fake.gate.clear()
+    batcher = batcher_for(fake, executor, max_batch_size=2, max_wait_seconds=0, overhead_tokens=5)
+    first = asyncio.ensure_future(batcher.submit([[0]], ["a"], 10))
+    await asyncio.sleep(0.05)
+    rest = []
+    for token, n in enumerate([30, 5, 5, 5, 5, 5, 5, 5, 30], start=1):  # distinct texts
+        rest.append(asyncio.ensure_future(batcher.submit([[token] * n], ["a"], 10)))
+        await asyncio.sleep(0.001)
+    fake.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *rest), 5)
+    assert [ids for _, ids in fake.batches[1]] == [[1] * 30]
+    await batcher.stop()
+
+
 async def test_costly_forwards_take_every_row_that_fits(executor: ThreadPoolExecutor) -> None:
     # As on a GPU: a forward costs as much as 1000 tokens, so one batch beats two.
     fake = FakePredictor()
