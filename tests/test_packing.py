@@ -69,8 +69,8 @@ def test_packed_dynamic_int8_answers_like_padded(tiny_bert: TinyModel) -> None:
     assert torch.equal(packed.argmax(dim=1), padded.argmax(dim=1))
 
 
-def test_unmerged_adapters_pack_one_adapter_batches_and_pad_mixed_ones(
-    tiny_bert: TinyModel,
+def test_unmerged_adapters_pack_each_batch_mixed_or_not(
+    tiny_bert: TinyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     predictor = Predictor(load_model(spec_for(tiny_bert), make_settings()))
     rows = predictor.encode(TEXTS)
@@ -80,10 +80,21 @@ def test_unmerged_adapters_pack_one_adapter_batches_and_pad_mixed_ones(
     mixed_adapters: list[str | None] = ["spam"] * half + ["promo"] * (len(rows) - half)
 
     assert predictor.enable_packing()
+
+    def no_padding(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a packed model padded a batch")
+
+    monkeypatch.setattr(predictor.loaded.tokenizer, "pad", no_padding)
     assert torch.allclose(logits(predictor, rows, ["spam"] * len(rows)), spam, atol=1e-5)
     assert torch.allclose(logits(predictor, rows, ["promo"] * len(rows)), promo, atol=1e-5)
+    # A mixed batch: one packed forward per adapter, answers back in the batch's order.
     mixed = logits(predictor, rows, mixed_adapters)
     assert torch.allclose(mixed, torch.cat([spam[:half], promo[half:]]), atol=1e-5)
+    interleaved: list[str | None] = ["promo", "spam"] * (len(rows) // 2)
+    expected = torch.stack(
+        [(spam if name == "spam" else promo)[i] for i, name in enumerate(interleaved)]
+    )
+    assert torch.allclose(logits(predictor, rows, interleaved), expected, atol=1e-5)
 
 
 def test_decoder_models_stay_padded(tiny_llama: TinyModel) -> None:

@@ -6,7 +6,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -167,13 +167,13 @@ class Predictor:
         names = [name or default for name in adapters]
         switchable = bool(self.loaded.adapters) and not self.loaded.merged
         one_adapter = not switchable or len(set(names)) == 1
-        if switchable and one_adapter and names[0] != self._active_adapter:
-            model.set_adapter(names[0])
-            self._active_adapter = names[0]
-        if one_adapter and self._packed is not None and len(batch) > 1:  # 1 text: no padding
-            inputs = self._packed.inputs(batch)
-            with self._packed.padded_encoder_output(inputs["packed_layout"]):
-                return model(**inputs).logits  # type: ignore[no-any-return]
+        if self._packed is not None and len(batch) > 1:  # one text has no padding to save
+            if one_adapter:
+                self._activate(names[0] if switchable else None)
+                return self._packed_logits(self._packed, batch)
+            return self._packed_per_adapter(self._packed, batch, names)
+        if switchable and one_adapter:
+            self._activate(names[0])
         padded = self._tokenizer.pad(
             {"input_ids": batch},
             padding=True,
@@ -183,6 +183,35 @@ class Predictor:
         inputs = {name: self._to_device(tensor) for name, tensor in padded.items()}
         if one_adapter:
             return model(**inputs).logits  # type: ignore[no-any-return]
-        # peft's mixed-adapter inference: each row its own adapter (padded batches only).
+        # peft's mixed-adapter inference: each row its own adapter.
         rows = [name or BASE_ADAPTER for name in names]
         return model(**inputs, adapter_names=rows).logits  # type: ignore[no-any-return]
+
+    def _activate(self, adapter: str | None) -> None:
+        """Makes `adapter` the one peft applies (None: a model without switchable ones)."""
+        if adapter is not None and adapter != self._active_adapter:
+            cast(Any, self.loaded.model).set_adapter(adapter)
+            self._active_adapter = adapter
+
+    def _packed_logits(self, packed: PackedRunner, batch: list[list[int]]) -> torch.Tensor:
+        inputs = packed.inputs(batch)
+        with packed.padded_encoder_output(inputs["packed_layout"]):
+            return cast(Any, self.loaded.model)(**inputs).logits  # type: ignore[no-any-return]
+
+    def _packed_per_adapter(
+        self, packed: PackedRunner, batch: list[list[int]], names: list[str | None]
+    ) -> torch.Tensor:
+        """One packed forward per adapter in the batch, the logits back in the batch's order.
+
+        peft's mixed-adapter forward splits rows along the batch dimension, which a packed
+        batch (one row) does not have; a forward per adapter costs its fixed overhead again
+        but computes no padding.
+        """
+        order: list[int] = []
+        parts = []
+        for adapter in dict.fromkeys(names):
+            rows = [index for index, name in enumerate(names) if name == adapter]
+            self._activate(adapter)
+            parts.append(self._packed_logits(packed, [batch[index] for index in rows]))
+            order += rows
+        return torch.cat(parts)[torch.tensor(order).argsort()]
