@@ -3,10 +3,11 @@
 On a CPU a forward costs about its tokens, padding included, so a batch of short texts with
 one long one pays for the long one in every row. Packed, the linear layers (most of the
 cost) see only real tokens: the batch is one row of all its texts' tokens, each text with
-its own positions from 0. Attention alone needs the texts apart: it gathers each text back
-into a padded [texts, length] block, attends within it under a key-padding mask (so no text
-sees another), and scatters the result back. The encoder's output is padded the same way
-before the classification head, which then reads each text's first token as usual.
+its own positions from 0. Attention alone needs the texts apart: it gathers the texts,
+sorted by length, into padded blocks of a few texts each (so a block pads only to its own
+longest), attends within each text under a key-padding mask (no text sees another), and
+scatters the result back. The encoder's output is padded back apart the same way before the
+classification head, which then reads each text's first token as usual.
 
 The answers are the padded forward's to the last bit in full precision (tested); under
 dynamic int8, whose activation scale is taken over the whole batch, they differ from it as
@@ -24,6 +25,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -78,7 +80,7 @@ class PackedLayout:
 
     @classmethod
     def of(cls, lengths: list[int], device: torch.device) -> PackedLayout:
-        starts = [sum(lengths[:index]) for index in range(len(lengths))]
+        starts = [0, *accumulate(lengths[:-1])]
         by_length = sorted(range(len(lengths)), key=lengths.__getitem__)
         blocks = [
             by_length[i : i + ATTENTION_BLOCK_ROWS]
@@ -115,7 +117,7 @@ class PackedLayout:
             q, k, v = (states[block.gather].transpose(1, 2) for states in tokens_first)
             mask = block.real[:, None, None, :] if block.uneven else None
             output = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-            flat = output.transpose(1, 2).reshape(-1, *output.shape[1:2], output.shape[3])
+            flat = output.transpose(1, 2).reshape(-1, output.shape[1], output.shape[3])
             outputs.append(flat[block.real_flat])
         packed = torch.empty_like(tokens_first[0])
         packed[self.block_tokens] = torch.cat(outputs)
