@@ -639,7 +639,7 @@ def markdown(
         ),
         f"Raw model (no HTTP, one process, pre-tokenized, {config['duration']:g} s each): "
         f"**{raw['batch32']:.1f} texts/s** at batch 32 in the texts' order, run as the server "
-        f"runs it ({'packed' if raw.get('packed') else 'padded'}; the 'raw' above); "
+        f"runs it ({'packed' if raw['packed'] else 'padded'}; the 'raw' above); "
         f"{raw['batch32_sorted']:.1f} texts/s with the texts sorted by length first; "
         f"{raw['batch32_padded']:.1f} texts/s padded in the texts' order; "
         f"{raw['batch1']:.1f} texts/s at batch 1 (the most a server without batching could "

@@ -21,7 +21,6 @@ has compared a packed and a padded forward at load.
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-logger = logging.getLogger(__name__)
 
 PACKED_SDPA = "loraserve_packed_sdpa"
 # BERT (MiniLM and its kin) and ELECTRA (KoELECTRA): absolute positions from 0, the first
@@ -163,8 +160,7 @@ def transformers_model(model: torch.nn.Module) -> Any:
     return get_base_model() if callable(get_base_model) else model
 
 
-def _encoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    hf = transformers_model(model)
+def _encoder_of(hf: Any) -> torch.nn.Module:
     backbone = getattr(hf, getattr(hf, "base_model_prefix", ""), hf)
     encoder = getattr(backbone, "encoder", None)
     if not isinstance(encoder, torch.nn.Module):
@@ -187,7 +183,7 @@ class PackedRunner:
         if hf.config._attn_implementation not in ("sdpa", PACKED_SDPA):
             raise PackingUnsupported(f"attention {hf.config._attn_implementation!r}")
         self._hf = hf
-        self._encoder = _encoder_of(model)
+        self._encoder = _encoder_of(hf)
         self._device = device
         self._token_types = "token_type_ids" in inspect.signature(hf.forward).parameters
 

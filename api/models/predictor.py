@@ -167,13 +167,12 @@ class Predictor:
         names = [name or default for name in adapters]
         switchable = bool(self.loaded.adapters) and not self.loaded.merged
         one_adapter = not switchable or len(set(names)) == 1
-        if self._packed is not None and len(batch) > 1:  # one text has no padding to save
-            if one_adapter:
-                self._activate(names[0] if switchable else None)
-                return self._packed_logits(self._packed, batch)
-            return self._packed_per_adapter(self._packed, batch, names)
         if switchable and one_adapter:
             self._activate(names[0])
+        if self._packed is not None and len(batch) > 1:  # one text has no padding to save
+            if one_adapter:
+                return self._packed_logits(self._packed, batch)
+            return self._packed_per_adapter(self._packed, batch, names)
         padded = self._tokenizer.pad(
             {"input_ids": batch},
             padding=True,
@@ -188,8 +187,8 @@ class Predictor:
         return model(**inputs, adapter_names=rows).logits  # type: ignore[no-any-return]
 
     def _activate(self, adapter: str | None) -> None:
-        """Makes `adapter` the one peft applies (None: a model without switchable ones)."""
-        if adapter is not None and adapter != self._active_adapter:
+        """Makes `adapter` the one peft applies to every row."""
+        if adapter != self._active_adapter:
             cast(Any, self.loaded.model).set_adapter(adapter)
             self._active_adapter = adapter
 

@@ -125,17 +125,14 @@ class Registry:
         try:
             loaded = load_model(spec, self.settings)
             predictor = Predictor(loaded, self.settings.pad_to_multiple_of)
+            device = self.device_thread(loaded.device)
             if self.settings.pack_batches and not self.settings.torch_compile:
                 with timed(loaded.phases, "warmup"):
-                    device = self.device_thread(loaded.device)
                     device.submit(predictor.enable_packing).result()
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
-                    warm = self.device_thread(loaded.device).submit(
-                        predictor.warm_up, self.warmup_rows
-                    )
-                    warm.result()
+                    device.submit(predictor.warm_up, self.warmup_rows).result()
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
