@@ -11,11 +11,11 @@ from types import FrameType
 
 import uvicorn
 
-from api.app import create_app
-from api.cascade import CascadeError
+from api.http.app import create_app
+from api.http.state import Phase, ServiceState
 from api.models.spec import ModelsFileError, load_models_file
+from api.serving.cascade import CascadeError
 from api.settings import Settings, SettingsError, load_settings
-from api.state import Phase, ServiceState
 
 EXIT_BAD_SETTINGS = 2
 EXIT_LOAD_FAILED = 1

@@ -54,7 +54,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from api.models.gguf import convert_gguf
+from api.models.convert.gguf import convert_gguf
 from api.models.loader import LoadedModel, load_model
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec, load_models_file
@@ -466,7 +466,7 @@ def cascade_predictions(
 ) -> tuple[list[int], int]:
     """Labels the cascade gives, and how many texts it sent to the second model.
 
-    As api/cascade.py does: a text whose first-model top probability is below the threshold
+    As api/serving/cascade.py does: a text whose first-model top probability is below the threshold
     takes the second model's answer.
     """
     labels, escalated = [], 0
@@ -740,7 +740,7 @@ spam messages): one message is {100 / max(spam["test"], 1):.1f} points of spam r
   file `{base["gguf_file"]}` ({_mb(base["gguf_bytes"])}, sha256 `{base["gguf_sha256"]}`,
   pinned). Its weights are **Q4_1-quantized** (token embeddings Q8_0), so this adapter was
   trained on those weights dequantized, not on the upstream bf16 checkpoint.
-- Converted once by `api/models/gguf.py` into `{converted["folder"]}` (git-ignored):
+- Converted once by `api/models/convert/gguf.py` into `{converted["folder"]}` (git-ignored):
   {converted["dtype"]} safetensors, {_mb(converted["weights_bytes"])} of weights
   (sha256 `{converted["weights_sha256"]}`). Loading tokenizer + model takes
   {timings["safetensors_folder"]:.1f} s from that folder against {timings["gguf"]:.1f} s from

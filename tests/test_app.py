@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from api.http.app import create_app
 from api.models.loader import PHASES
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel

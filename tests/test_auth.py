@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.routing import BaseRoute, Route
 
-from api.app import create_app
-from api.auth import OPEN_PATHS
+from api.http.app import create_app
+from api.http.middleware.auth import OPEN_PATHS
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from api.batching import (
+from api.serving.batching import (
     Batcher,
     BatchFailed,
     BatchLimits,

@@ -11,9 +11,9 @@ from pathlib import Path
 import diskcache
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.cache import LruTier
+from api.http.app import create_app
 from api.models.spec import AdapterSpec
+from api.serving.cache import LruTier
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
 

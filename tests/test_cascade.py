@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import pytest
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.cascade import CascadeError, cascade_models
+from api.http.app import create_app
+from api.serving.cascade import CascadeError, cascade_models
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
 

@@ -24,9 +24,9 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from api.models import gguf as gguf_module
 from api.models.checkpoint import sha256_of
-from api.models.gguf import GgufError, convert_gguf
+from api.models.convert import gguf as gguf_module
+from api.models.convert.gguf import GgufError, convert_gguf
 from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec

@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import create_app
+from api.http.app import create_app
 from api.metrics import DASHBOARD_METRICS, GPU_METRICS
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel

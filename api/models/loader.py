@@ -136,7 +136,7 @@ def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
     folder = settings.model_cache_folder / spec.base
     if (folder / "config.json").is_file():
         return folder
-    from api.models.gguf import GgufError, convert_gguf
+    from api.models.convert.gguf import GgufError, convert_gguf
 
     logger.info("model %s: converting %s into %s (once)", spec.name, spec.gguf.file, folder)
     try:

@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter
 
-from api.routes import predict, status
+from api.http.routes import status, tei
 
 router = APIRouter()
-router.include_router(predict.router)
+router.include_router(tei.router)
 router.include_router(status.router)

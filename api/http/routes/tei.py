@@ -9,12 +9,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.batching import BatchFailed, QueueFull
-from api.batching import DeadlineExceeded as BatchDeadline
-from api.cache import ResultCache
-from api.cascade import CASCADE_NAME, Cascade
-from api.classify import Classified, ModelRunner
-from api.errors import (
+from api.http.errors import (
     ClientGone,
     DeadlineExceeded,
     InferenceFailed,
@@ -23,11 +18,16 @@ from api.errors import (
     Overloaded,
     Unavailable,
 )
+from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
+from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
+from api.http.state import ServiceState
 from api.models.predictor import Scores, TextTooLong
 from api.models.registry import Registry, UnknownName
-from api.routes.common import RETRY_AFTER_LOADING_SECONDS, State
-from api.schemas import ErrorBody, PredictRequest, PredictResponse
-from api.state import ServiceState
+from api.serving.batching import BatchFailed, QueueFull
+from api.serving.batching import DeadlineExceeded as BatchDeadline
+from api.serving.cache import ResultCache
+from api.serving.cascade import CASCADE_NAME, Cascade
+from api.serving.classify import Classified, ModelRunner
 
 RETRY_SOON = {"Retry-After": "1"}
 Answer = TypeVar("Answer")

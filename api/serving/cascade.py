@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api.cache import ResultCache
-from api.classify import Classified, ModelRunner
 from api.metrics import Metrics
 from api.models.spec import ModelSpec
+from api.serving.cache import ResultCache
+from api.serving.classify import Classified, ModelRunner
 from api.settings import Settings
 
 CASCADE_NAME = "cascade"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from api.batching import Batcher
-from api.cache import Entry, ResultCache, cache_key
 from api.models.predictor import Scores
 from api.models.registry import ServedModel
+from api.serving.batching import Batcher
+from api.serving.cache import Entry, ResultCache, cache_key
 
 INLINE_TOKENIZE_MAX_CHARS = 4096
 

@@ -11,21 +11,21 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import __version__
-from api.auth import ApiKeyGuard
-from api.batching import Batcher, BatchLimits, BatchStats
-from api.body_limit import BodySizeLimit
-from api.cache import ResultCache
-from api.cascade import Cascade, cascade_models
-from api.classify import ModelRunner
-from api.errors import install_error_handlers
+from api.http.errors import install_error_handlers
+from api.http.middleware.auth import ApiKeyGuard
+from api.http.middleware.body_limit import BodySizeLimit
+from api.http.middleware.observe import RequestMetrics
+from api.http.routes import router
+from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
 from api.models.predictor import Scores
 from api.models.registry import Registry, ServedModel
 from api.models.spec import ModelSpec, load_models_file
-from api.observe import RequestMetrics
-from api.routes import router
+from api.serving.batching import Batcher, BatchLimits, BatchStats
+from api.serving.cache import ResultCache
+from api.serving.cascade import Cascade, cascade_models
+from api.serving.classify import ModelRunner
 from api.settings import Settings
-from api.state import Phase, ServiceState
 
 logger = logging.getLogger(__name__)
 

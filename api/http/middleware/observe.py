@@ -6,8 +6,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.http.state import ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
-from api.state import ServiceState
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
 ROUTES = frozenset({"/predict", "/models", "/health", "/ready", "/info", "/metrics"})

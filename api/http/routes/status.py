@@ -7,9 +7,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api import __version__
-from api.models.registry import ServedModel
-from api.routes.common import RETRY_AFTER_LOADING_SECONDS, State
-from api.schemas import (
+from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
+from api.http.schemas import (
     CascadeInfo,
     HealthResponse,
     InfoResponse,
@@ -18,7 +17,8 @@ from api.schemas import (
     ModelsResponse,
     ReadyResponse,
 )
-from api.state import Phase, ServiceState
+from api.http.state import Phase, ServiceState
+from api.models.registry import ServedModel
 
 router = APIRouter()
 

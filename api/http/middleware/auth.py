@@ -6,7 +6,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import Unauthorized
+from api.http.errors import Unauthorized
 
 # Probes and scrapers carry no key: these answer without one, and hold nothing secret.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from api.cache import ResultCache
-from api.cascade import Cascade
-from api.classify import ModelRunner
 from api.metrics import Metrics
 from api.models.registry import Registry
+from api.serving.cache import ResultCache
+from api.serving.cascade import Cascade
+from api.serving.classify import ModelRunner
 from api.settings import Settings
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.state import ServiceState
+from api.http.state import ServiceState
 
 RETRY_AFTER_LOADING_SECONDS = "5"
 

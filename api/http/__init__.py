@@ -1,0 +1,1 @@
+"""Everything that knows HTTP: the app, its routes, contracts, errors and middleware."""

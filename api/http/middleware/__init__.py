@@ -1,0 +1,1 @@
+"""Request middleware: API key, body size limit, request metrics."""

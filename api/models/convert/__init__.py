@@ -1,0 +1,1 @@
+"""Checkpoints converted once into the layout transformers loads natively."""
