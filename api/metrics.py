@@ -141,6 +141,12 @@ class Metrics:
         self.batch_dropped = Counter(
             f"{p}_batch_dropped", "Texts dropped unrun", ["model", "reason"], registry=r
         )
+        self.non_finite_rows = Counter(
+            f"{p}_non_finite_rows",
+            "Texts the model scored NaN or infinity (failed alone, never cached)",
+            ["model"],
+            registry=r,
+        )
 
         self.cache_lookups = Counter(
             f"{p}_cache_lookups", "Cache lookups", ["tier", "result"], registry=r

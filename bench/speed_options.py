@@ -1,10 +1,13 @@
-"""Forward speed, memory and accuracy of each CPU option on the embedded default model.
+"""Forward speed, memory, accuracy and batch invariance of each CPU option on the embedded
+default model.
 
 Run: `python -m bench.speed_options` (or `make bench-speed`). Writes bench/reports/
 speed_options.{md,json,png}. Each option is loaded through the service's own loader and
-timed with the service's own predictor: latency for 1 text and for a batch of 32 (median of
-several runs after a warm-up), throughput at 32, weight bytes in memory, and accuracy on
-the held-out test split of the SMS Spam Collection (the adapter's own split).
+run by the service's own predictor, packed where the service packs it: latency for 1 text
+and for a batch of 32 (median of several runs after a warm-up), throughput at 32, weight
+bytes in memory, accuracy on the held-out test split of the SMS Spam Collection (the
+adapter's own split), and the largest logit difference between a text scored alone and the
+same text inside its batch of 32 (over the first 128 held-out texts): 0 is batch-invariant.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from api.cli import quiet_libraries
 from api.models.loader import load_model
-from api.models.predictor import Predictor
+from api.models.predictor import NonFiniteScores, Predictor, Scores
 from api.models.spec import load_models_file
 from api.settings import Settings
 from scripts.spam_data import load_splits
@@ -43,12 +46,17 @@ OPTIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "torch-compile": ({}, {"torch_compile": True}),
     "bf16": ({"dtype": "bfloat16"}, {}),
     "dynamic-int8": ({"quantization": "dynamic-int8"}, {}),
+    # The previous default: PyTorch's dynamic int8, one activation scale per batch.
+    "dynamic-int8-per-tensor": ({}, {}),
+    "fp32-padded": ({}, {"pack_batches": False}),
     "bnb-int8": ({"quantization": "int8"}, {}),
     "bnb-nf4": ({"quantization": "nf4"}, {}),
     # The same adapter under two names, rows alternating: the cost of a mixed-adapter batch.
     "mixed-2-adapters": ({}, {}),
 }
 MIXED = "mixed-2-adapters"
+PER_TENSOR = "dynamic-int8-per-tensor"
+INVARIANCE_TEXTS = 128
 
 
 @dataclass
@@ -61,6 +69,8 @@ class Result:
     weight_bytes: int
     accuracy: float
     load_seconds: float
+    packed: bool
+    max_logit_difference: float
 
 
 def median_ms(run: Any, repeats: int) -> float:
@@ -78,17 +88,22 @@ def measure(option: str, threads: int, repeats: int) -> Result:
     """Loads the default model with the option and times it."""
     spec_changes, setting_changes = OPTIONS[option]
     settings = Settings(_env_file=None, **setting_changes)  # type: ignore[call-arg]
-    (spec,) = load_models_file(None)
+    spec = load_models_file(None)[0]  # the encoder; the second is the cascade's LLM
     # Every option starts from fp32 without quantization, whatever models.yaml serves.
     spec = spec.model_copy(update={"quantization": "none", "dtype": "float32", **spec_changes})
-    names: list[str | None] = [None]
+    names: list[str | None] = [spec.active_default_adapter]
     if option == MIXED:
         twin = spec.adapters[0].model_copy(update={"name": "twin"})
         spec = spec.model_copy(update={"adapters": [spec.adapters[0], twin]})
         names = [spec.adapters[0].name, twin.name]
     torch.set_num_threads(threads)
     loaded = load_model(spec, settings)
+    if option == PER_TENSOR:
+        loaded.model = torch.ao.quantization.quantize_dynamic(
+            loaded.model, {torch.nn.Linear}, dtype=torch.qint8
+        )
     predictor = Predictor(loaded, settings.pad_to_multiple_of)
+    packed = settings.pack_batches and not settings.torch_compile and predictor.enable_packing()
     test = load_splits().test
     texts = [row.text for row in test]
     rows = predictor.encode(texts)
@@ -100,12 +115,19 @@ def measure(option: str, threads: int, repeats: int) -> Result:
     latency_1 = median_ms(lambda: predictor.forward(one, adapters(1)), repeats * 2)
     latency_32 = median_ms(lambda: predictor.forward(batch, adapters(BATCH)), repeats)
     correct = 0
+    batched: list[Scores] = []
     for start in range(0, len(rows), BATCH):
         chunk = rows[start : start + BATCH]
-        scores = predictor.forward(chunk, adapters(len(chunk)))
+        scores = scored(predictor.forward(chunk, adapters(len(chunk))))
+        batched += scores
         for row, score in zip(test[start : start + BATCH], scores, strict=True):
             predicted = score.probabilities.index(max(score.probabilities))
             correct += int(predicted == row.label)
+    difference = 0.0
+    for index in range(INVARIANCE_TEXTS):
+        (alone,) = scored(predictor.forward(rows[index : index + 1], adapters(index + 1)[-1:]))
+        for a, b in zip(alone.logits, batched[index].logits, strict=True):
+            difference = max(difference, abs(a - b))
     return Result(
         option=option,
         threads=threads,
@@ -115,7 +137,17 @@ def measure(option: str, threads: int, repeats: int) -> Result:
         weight_bytes=loaded.weight_bytes,
         accuracy=round(correct / len(test), 4),
         load_seconds=round(loaded.load_seconds, 2),
+        packed=packed,
+        max_logit_difference=difference,
     )
+
+
+def scored(results: list[Scores | NonFiniteScores]) -> list[Scores]:
+    """The scores, or the first non-finite row's error."""
+    for result in results:
+        if isinstance(result, NonFiniteScores):
+            raise result
+    return [result for result in results if isinstance(result, Scores)]
 
 
 def machine() -> str:
@@ -139,19 +171,23 @@ def report(results: list[Result], load_average: str) -> str:
         f"Machine: {machine()}. Date: {datetime.now(timezone.utc):%Y-%m-%d}. "
         f"Load average before: {load_average}.",
         "Latency: median of repeated forwards after a warm-up, texts from the test split "
-        f"(~20–40 tokens). Accuracy: the held-out test split ({len(load_splits().test)} texts).",
+        f"(~20–40 tokens). Accuracy: the held-out test split ({len(load_splits().test)} texts). "
+        "Packed: batches run padding-free, as the service runs them. Max Δ logit: the largest "
+        f"difference of a text's logits alone and in its batch of {BATCH} "
+        f"(first {INVARIANCE_TEXTS} test texts); 0 means batch-invariant.",
         "",
-        "| option | threads | 1 text (ms) | batch of 32 (ms) | texts/s at 32 | × fp32 | "
-        "weights (MB) | accuracy | load (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| option | threads | packed | 1 text (ms) | batch of 32 (ms) | texts/s at 32 | × fp32 | "
+        "weights (MB) | accuracy | max Δ logit | load (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     baseline = {r.threads: r.throughput_32_per_s for r in results if r.option == "fp32-unmerged"}
     for r in results:
         ratio = r.throughput_32_per_s / baseline.get(r.threads, r.throughput_32_per_s)
         lines.append(
-            f"| {r.option} | {r.threads} | {r.latency_1_ms} | {r.latency_32_ms} | "
-            f"{r.throughput_32_per_s} | {ratio:.2f} | {r.weight_bytes / 1e6:.1f} | "
-            f"{r.accuracy:.2%} | {r.load_seconds} |"
+            f"| {r.option} | {r.threads} | {'yes' if r.packed else 'no'} | {r.latency_1_ms} | "
+            f"{r.latency_32_ms} | {r.throughput_32_per_s} | {ratio:.2f} | "
+            f"{r.weight_bytes / 1e6:.1f} | {r.accuracy:.2%} | {r.max_logit_difference:.2g} | "
+            f"{r.load_seconds} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -135,24 +135,31 @@ def test_packing_is_off_on_a_gpu(tiny_bert: TinyModel) -> None:
         packing.PackedRunner(loaded.model, torch.device("cuda"))
 
 
-def test_layout_attends_within_each_text_only() -> None:
-    # 11 texts: two attention blocks of texts sorted by length, uneven and even ones.
+def test_layout_attends_within_each_text_only_as_if_alone() -> None:
+    # 11 texts of 5 lengths, in no order: packed by length, runs of one length attend together.
     lengths = [3, 1, 5, 2, 2, 4, 5, 1, 3, 2, 2]
     layout = packing.PackedLayout.of(lengths, torch.device("cpu"))
-    assert layout.positions.tolist() == [[i for n in lengths for i in range(n)]]
+    packed_lengths = sorted(lengths)
+    assert [lengths[text] for text in layout.order] == packed_lengths
+    assert layout.positions.tolist() == [[i for n in packed_lengths for i in range(n)]]
     torch.manual_seed(0)
     query, key, value = (torch.randn(1, 2, sum(lengths), 4) for _ in range(3))
 
     got = layout.attend(query, key, value, scaling=None)
 
     expected, start = [], 0
-    for n in lengths:
+    for n in packed_lengths:  # each text alone, as a batch of one
         q, k, v = (t[:, :, start : start + n] for t in (query, key, value))
         expected.append(torch.nn.functional.scaled_dot_product_attention(q, k, v))
         start += n
     want = torch.cat(expected, dim=2).transpose(1, 2)  # [1, tokens, heads, dim]
-    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    assert got.shape == want.shape
+    assert torch.equal(got, want)  # to the bit: no padding, no mask
 
+    # Gathered back apart in batch order: text 1 (1 token) is the first in packed order.
     hidden = layout.pad_hidden(torch.arange(float(sum(lengths))).reshape(1, -1, 1))
     assert hidden.shape == (len(lengths), max(lengths), 1)
-    assert hidden[1, :, 0].tolist() == [3, 0, 0, 0, 0]  # the 1-token text, zeros after
+    assert hidden[1, :, 0].tolist() == [0, 0, 0, 0, 0]
+    # The two 5-token texts are packed last, in batch order (the sort is stable).
+    assert hidden[2, :, 0].tolist() == [20, 21, 22, 23, 24]
+    assert hidden[6, :, 0].tolist() == [25, 26, 27, 28, 29]

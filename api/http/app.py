@@ -18,7 +18,7 @@ from api.http.middleware.observe import RequestMetrics
 from api.http.routes import router
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
-from api.models.predictor import Scores
+from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
 from api.models.spec import ModelSpec, load_models_file
 from api.serving.batching import Batcher, BatchLimits, BatchStats
@@ -145,8 +145,18 @@ def _batcher(
         overhead_tokens=served.overhead_tokens,
         packed=served.predictor.packs_batches,
     )
+
+    def predict_batch(
+        rows: list[list[int]], adapters: list[str | None]
+    ) -> list[Scores | NonFiniteScores]:
+        results = served.predictor.forward(rows, adapters)
+        failed = sum(isinstance(result, NonFiniteScores) for result in results)
+        if failed:
+            metrics.non_finite_rows.labels(name).inc(failed)
+        return results
+
     batcher: Batcher[Scores] = Batcher(
-        served.predictor.forward,
+        predict_batch,
         limits,
         executor,
         device_slot=slot,

@@ -72,6 +72,13 @@ class InferenceFailed(ServiceError):
     code = "inference_failed"
 
 
+class NonFiniteAnswer(ServiceError):
+    """The model gave NaN or infinity for a text: nothing to answer, and nothing cached."""
+
+    status_code = 500
+    code = "non_finite_scores"
+
+
 class ClientGone(ServiceError):
     """The client disconnected; nobody reads this answer (nginx's 499)."""
 

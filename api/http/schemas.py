@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
@@ -73,6 +73,16 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class ServableIdentity(BaseModel):
+    """The answer identity of one servable (the model with one adapter)."""
+
+    adapter: str | None
+    digest: str
+    components: dict[str, Any] = Field(
+        description="Base and adapter digests, numerics choices, library versions."
+    )
+
+
 class ModelInfo(BaseModel):
     """What `GET /models` says of one loaded model."""
 
@@ -96,7 +106,13 @@ class ModelInfo(BaseModel):
     packed_batches: bool = Field(
         description="Batches run padding-free, the texts packed into one sequence."
     )
-    fingerprint: str = Field(description="Digest of the base files and adapter weights.")
+    batch_max_logit_difference: float | None = Field(
+        description="Largest logit difference of a probe text alone and among batch-mates of "
+        "other lengths, measured at load: 0 means a text's scores do not depend on its batch."
+    )
+    identities: list[ServableIdentity] = Field(
+        description="Per adapter: what decides its answers, and the digest every cache keys by."
+    )
 
 
 class ModelsResponse(BaseModel):

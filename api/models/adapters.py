@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,15 @@ class AdapterError(Exception):
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class AdapterDigests:
+    """sha256 of an adapter's weights file and of its config (rank, alpha, rsLoRA... change
+    every score with the same weights)."""
+
+    weights: str
+    config: str
 
 
 def read_adapter_config(folder: Path) -> LoraConfig:
@@ -58,10 +68,10 @@ def check_head_covered(config: LoraConfig, missing_base_keys: list[str], path: P
 
 def attach_adapters(
     base: torch.nn.Module, adapters: list[AdapterSpec], missing_base_keys: list[str]
-) -> tuple[PeftModel, dict[str, str]]:
-    """Attaches every adapter under its name; returns the model and each weights' sha256."""
+) -> tuple[PeftModel, dict[str, AdapterDigests]]:
+    """Attaches every adapter under its name; returns the model and each one's digests."""
     model: PeftModel | None = None
-    digests: dict[str, str] = {}
+    digests: dict[str, AdapterDigests] = {}
     for adapter in adapters:
         config = read_adapter_config(adapter.path)
         weights = adapter.path / ADAPTER_WEIGHTS
@@ -69,6 +79,7 @@ def attach_adapters(
         try:
             given = safetensors_tensor_names(weights)
             digest = sha256_of(weights)
+            config_digest = sha256_of(adapter.path / ADAPTER_CONFIG)
         except (CheckpointError, OSError) as exc:
             reason = exc.reason if isinstance(exc, CheckpointError) else str(exc)
             raise AdapterError(weights, reason) from None
@@ -89,7 +100,7 @@ def attach_adapters(
         except RuntimeError as exc:  # torch: "size mismatch for ..."
             first_line = str(exc).strip().splitlines()[-1].strip()
             raise AdapterError(weights, f"adapter for another base: {first_line}") from None
-        digests[adapter.name] = digest
+        digests[adapter.name] = AdapterDigests(weights=digest, config=config_digest)
     if model is None:
         raise ValueError("attach_adapters needs at least one adapter")
     model.eval()

@@ -11,9 +11,15 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
-from api.models.adapters import AdapterError, attach_adapters
+from api.models.adapters import AdapterDigests, AdapterError, attach_adapters
+from api.models.causal_lm import LabelWordsError, Prompt, first_token_ids
 from api.models.checkpoint import CheckpointError, folder_fingerprint, verify_files, weight_files
 from api.models.quantization import (
     QuantizationRefused,
@@ -53,17 +59,22 @@ class LoadedModel:
     problem_type: str
     architecture: str
     base_fingerprint: str
-    adapter_fingerprints: dict[str, str]
+    adapter_digests: dict[str, AdapterDigests]
     dtype: str
     weight_bytes: int
     revision: str | None
     merged: bool = False
+    # task causal-lm: the prompt each text is put in, and each label's word's first token.
+    prompt: Prompt | None = None
+    label_token_ids: list[int] | None = None
+    # Every loading choice that changes the numbers a text gets (part of its answer identity).
+    numerics: dict[str, object] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     @property
     def adapters(self) -> list[str]:
         """Names of the adapters attached, in declaration order."""
-        return list(self.adapter_fingerprints)
+        return list(self.adapter_digests)
 
     @property
     def load_seconds(self) -> float:
@@ -173,12 +184,22 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
         )
     _fit_pad_token(model, tokenizer)
     architecture = type(model).__name__
+    prompt, label_token_ids = None, None
+    if spec.task == "causal-lm":
+        assert spec.label_words is not None
+        try:
+            prompt = Prompt.of(spec, tokenizer)
+            label_token_ids = first_token_ids(tokenizer, spec.label_words)
+        except LabelWordsError as exc:
+            raise LoadError(spec.name, "label_words", str(exc)) from None
+        # Padded on the left, every prompt ends at the last position: the one scored.
+        tokenizer.padding_side = "left"
 
-    adapter_fingerprints: dict[str, str] = {}
+    adapter_digests: dict[str, AdapterDigests] = {}
     if spec.adapters:
         with timed(phases, "adapters"):
             try:
-                model, adapter_fingerprints = attach_adapters(model, spec.adapters, missing_keys)
+                model, adapter_digests = attach_adapters(model, spec.adapters, missing_keys)
             except AdapterError as exc:
                 raise LoadError(spec.name, exc.path, exc.reason) from None
     elif missing_keys:
@@ -205,21 +226,46 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
         with timed(phases, "quantize"):
             model.forward = torch.compile(model.forward, dynamic=True)
     model.eval()
+    if spec.label_words is not None:
+        labels = list(spec.label_words)
+    else:
+        labels = [config.id2label[index] for index in range(config.num_labels)]
+    problem_type = config.problem_type or "single_label_classification"
+    numerics: dict[str, object] = {
+        "quantization": spec.quantization,
+        "dtype": str(dtype),
+        "compute_dtype": str(getattr(quant_config, "bnb_4bit_compute_dtype", None)),
+        "merged": merged,
+        "attn_implementation": settings.attn_implementation,
+        "torch_compile": settings.torch_compile,
+        "device_type": device.type,
+        "max_length": spec.max_length,
+        "labels": labels,
+        "problem_type": problem_type,
+        "task": spec.task,
+        "prompt": spec.prompt,
+        "chat_template": spec.chat_template,
+        "label_words": spec.label_words,
+        "label_token_ids": label_token_ids,
+    }
     return LoadedModel(
         spec=spec,
         model=model,
         tokenizer=tokenizer,
         device=device,
         folder=folder,
-        labels=[config.id2label[index] for index in range(config.num_labels)],
-        problem_type=config.problem_type or "single_label_classification",
+        labels=labels,
+        problem_type=problem_type,
         architecture=architecture,
         base_fingerprint=base_fingerprint,
-        adapter_fingerprints=adapter_fingerprints,
+        adapter_digests=adapter_digests,
         dtype=str(dtype).removeprefix("torch."),
         weight_bytes=module_bytes(model),
         revision=revision,
         merged=merged,
+        prompt=prompt,
+        label_token_ids=label_token_ids,
+        numerics=numerics,
         phases=phases,
     )
 
@@ -231,7 +277,10 @@ def _read_config(spec: ModelSpec, folder: Path) -> Any:
         )
     except (OSError, ValueError) as exc:
         raise LoadError(spec.name, folder / "config.json", f"unreadable config: {exc}") from None
-    if spec.labels is not None:
+    # A classifier reads one forward's logits: a KV cache would hold every layer's keys and
+    # values for nothing (~1.2 GB at EXAONE-2.4B's warm-up shape).
+    config.use_cache = False
+    if spec.labels is not None and spec.task == "text-classification":
         config.num_labels = len(spec.labels)
         config.id2label = dict(enumerate(spec.labels))
         config.label2id = {label: index for index, label in enumerate(spec.labels)}
@@ -274,8 +323,11 @@ def _load_base(
         kwargs["max_memory"] = memory
     if quant_config is not None:
         kwargs["quantization_config"] = quant_config
+    auto: Any = (
+        AutoModelForCausalLM if spec.task == "causal-lm" else AutoModelForSequenceClassification
+    )
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(str(folder), **kwargs)
+        model, info = auto.from_pretrained(str(folder), **kwargs)
     except Exception as exc:  # transformers raises many types; each becomes one clear error
         raise LoadError(spec.name, folder, f"cannot load weights: {_one_line(exc)}") from None
     if info.get("mismatched_keys"):

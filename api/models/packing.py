@@ -2,16 +2,16 @@
 
 On a CPU a forward costs about its tokens, padding included, so a batch of short texts with
 one long one pays for the long one in every row. Packed, the linear layers (most of the
-cost) see only real tokens: the batch is one row of all its texts' tokens, each text with
-its own positions from 0. Attention alone needs the texts apart: it gathers the texts,
-sorted by length, into padded blocks of a few texts each (so a block pads only to its own
-longest), attends within each text under a key-padding mask (no text sees another), and
-scatters the result back. The encoder's output is padded back apart the same way before the
-classification head, which then reads each text's first token as usual.
+cost) see only real tokens: the batch is one row of all its texts' tokens, sorted by length,
+each text with its own positions from 0. Attention alone needs the texts apart: the texts
+of one length lie side by side in the packed row, so each such run is viewed as a
+[texts, length] batch and attends without padding or mask (no text sees another). The
+encoder's output is gathered back apart, in batch order, before the classification head,
+which then reads each text's first token as usual.
 
-The answers are the padded forward's to the last bit in full precision (tested); under
-dynamic int8, whose activation scale is taken over the whole batch, they differ from it as
-much as one padded batch differs from another, since padding no longer enters the scale.
+Every step is then computed per token, or per text as if it were alone: a text's answer does
+not depend on its batch-mates (with per-token int8, api.models.quantization, to the bit;
+tested). Padding and a key mask would break that: masked attention sums in another order.
 
 Only models on a CPU whose embeddings start positions at 0 and whose head pools the first
 token are packed (`PACKABLE_MODEL_TYPES`), and each only after `Predictor.enable_packing`
@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, groupby
 from typing import Any
 
 import torch
@@ -39,65 +39,37 @@ PACKED_SDPA = "loraserve_packed_sdpa"
 PACKABLE_MODEL_TYPES = frozenset({"bert", "electra"})
 
 
-# Texts per attention block: sorted by length, a block pads only to its own longest text.
-ATTENTION_BLOCK_ROWS = 8
-
-
-@dataclass(frozen=True)
-class _Padding:
-    """Texts gathered from the packed row into a padded [texts, longest] block."""
-
-    gather: torch.Tensor  # [texts, longest]: index into the packed row (0 where padding)
-    real: torch.Tensor  # [texts, longest]: True where a real token lies
-    real_flat: torch.Tensor  # indexes of the real tokens in the flattened [texts × longest]
-    uneven: bool  # some text is shorter than the longest: attention needs a mask
-
-    @classmethod
-    def of(cls, starts: list[int], lengths: list[int], device: torch.device) -> _Padding:
-        sizes = torch.tensor(lengths, device=device)
-        offsets = torch.arange(max(lengths), device=device)
-        real = offsets.unsqueeze(0) < sizes.unsqueeze(1)
-        first = torch.tensor(starts, device=device).unsqueeze(1)
-        return cls(
-            gather=torch.where(real, first + offsets, 0),
-            real=real,
-            real_flat=real.reshape(-1).nonzero().squeeze(1),
-            uneven=min(lengths) != max(lengths),
-        )
-
-
 @dataclass(frozen=True)
 class PackedLayout:
-    """Where each text's tokens lie in the packed row, and how to pad them back apart."""
+    """Where each text's tokens lie in the packed row, and how to gather them back apart."""
 
+    order: tuple[int, ...]  # batch indexes in packed order: by length, shortest first
     positions: torch.Tensor  # [1, tokens]: each text's positions, from 0
-    texts: _Padding  # every text, in batch order: the encoder's output for the head
-    blocks: tuple[_Padding, ...]  # the texts by length, ATTENTION_BLOCK_ROWS a block
-    block_tokens: torch.Tensor  # packed index of each real token, in the blocks' order
+    runs: tuple[tuple[int, int], ...]  # (texts, length) of each run of one length
+    gather: torch.Tensor  # [texts, longest]: packed index of each text's tokens, batch order
+    real: torch.Tensor  # [texts, longest]: True where a real token lies (not padding)
 
     @classmethod
     def of(cls, lengths: list[int], device: torch.device) -> PackedLayout:
-        starts = [0, *accumulate(lengths[:-1])]
-        by_length = sorted(range(len(lengths)), key=lengths.__getitem__)
-        blocks = [
-            by_length[i : i + ATTENTION_BLOCK_ROWS]
-            for i in range(0, len(by_length), ATTENTION_BLOCK_ROWS)
-        ]
-        block_tokens = [
-            token
-            for block in blocks
-            for text in block
-            for token in range(starts[text], starts[text] + lengths[text])
-        ]
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        packed_lengths = [lengths[text] for text in order]
+        start_of = dict(zip(order, [0, *accumulate(packed_lengths[:-1])], strict=True))
+        starts = torch.tensor([start_of[text] for text in range(len(lengths))], device=device)
+        offsets = torch.arange(max(lengths), device=device)
+        real = offsets.unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)
         return cls(
-            positions=torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0),
-            texts=_Padding.of(starts, lengths, device),
-            blocks=tuple(
-                _Padding.of([starts[t] for t in block], [lengths[t] for t in block], device)
-                for block in blocks
+            order=tuple(order),
+            positions=torch.cat([torch.arange(n, device=device) for n in packed_lengths]).unsqueeze(
+                0
             ),
-            block_tokens=torch.tensor(block_tokens, device=device),
+            runs=tuple((len(list(run)), n) for n, run in groupby(packed_lengths)),
+            gather=torch.where(real, starts.unsqueeze(1) + offsets, 0),
+            real=real,
         )
+
+    def pack(self, rows: list[list[int]]) -> list[int]:
+        """The rows' tokens in packed order."""
+        return [token for text in self.order for token in rows[text]]
 
     def attend(
         self,
@@ -106,23 +78,26 @@ class PackedLayout:
         value: torch.Tensor,
         scaling: float | None,
     ) -> torch.Tensor:
-        """Attention of [1, heads, tokens, dim] packed states, each text within itself,
-        block by block; [1, tokens, heads, dim] packed, as transformers' attention returns."""
-        tokens_first = [states[0].transpose(0, 1) for states in (query, key, value)]
-        outputs = []
-        for block in self.blocks:
-            q, k, v = (states[block.gather].transpose(1, 2) for states in tokens_first)
-            mask = block.real[:, None, None, :] if block.uneven else None
-            output = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-            flat = output.transpose(1, 2).reshape(-1, output.shape[1], output.shape[3])
-            outputs.append(flat[block.real_flat])
-        packed = torch.empty_like(tokens_first[0])
-        packed[self.block_tokens] = torch.cat(outputs)
-        return packed.unsqueeze(0)
+        """Attention of [1, heads, tokens, dim] packed states, each text within itself, one
+        run of equal lengths at a time; [1, tokens, heads, dim] packed, as transformers'
+        attention returns."""
+        outputs, start = [], 0
+        for texts, length in self.runs:
+            end = start + texts * length
+            # [1, heads, texts × length, dim] → [texts, heads, length, dim]: a view, no copy.
+            q, k, v = (
+                states[0, :, start:end].unflatten(1, (texts, length)).transpose(0, 1)
+                for states in (query, key, value)
+            )
+            output = scaled_dot_product_attention(q, k, v, scale=scaling)
+            outputs.append(output.transpose(1, 2).flatten(0, 1))
+            start = end
+        return torch.cat(outputs).unsqueeze(0)
 
     def pad_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[1, tokens, width] packed → [texts, longest, width] padded, zeros where padding."""
-        return hidden[0][self.texts.gather] * self.texts.real.unsqueeze(-1).to(hidden.dtype)
+        """[1, tokens, width] packed → [texts, longest, width] in batch order, zeros where
+        padding."""
+        return hidden[0][self.gather] * self.real.unsqueeze(-1).to(hidden.dtype)
 
 
 class PackingUnsupported(RuntimeError):
@@ -197,7 +172,7 @@ class PackedRunner:
     def inputs(self, rows: list[list[int]]) -> dict[str, Any]:
         """The model's keyword arguments for `rows` packed into one sequence."""
         layout = PackedLayout.of([len(row) for row in rows], self._device)
-        ids = torch.tensor([token for row in rows for token in row], device=self._device)
+        ids = torch.tensor(layout.pack(rows), device=self._device)
         inputs: dict[str, Any] = {
             "input_ids": ids.unsqueeze(0),
             "position_ids": layout.positions,

@@ -18,7 +18,11 @@ logger = logging.getLogger(__name__)
 BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
 
 
-class TextTooLong(ValueError):
+class UnservableText(ValueError):
+    """A text this model cannot score; the message says which and why."""
+
+
+class TextTooLong(UnservableText):
     """A text over the model's token limit when the client asked not to truncate."""
 
     def __init__(self, index: int, tokens: int, limit: int) -> None:
@@ -26,6 +30,20 @@ class TextTooLong(ValueError):
             f"inputs[{index}] has {tokens} tokens, over the model's limit of {limit}; "
             "send truncate=true to cut it"
         )
+
+
+class NoTokens(UnservableText):
+    """A text that is empty once normalised: nothing but the model's special tokens."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"inputs[{index}] has no tokens after normalisation (empty text?)")
+
+
+class NonFiniteScores(ArithmeticError):
+    """The model gave NaN or infinity for one text: that text fails alone, never cached."""
+
+    def __init__(self, logits: list[float]) -> None:
+        super().__init__(f"the model produced non-finite scores {logits} for this text")
 
 
 @dataclass(frozen=True)
@@ -46,6 +64,9 @@ class Predictor:
         self.max_length = loaded.spec.max_length
         self._tokenizer = loaded.tokenizer
         self._sigmoid = loaded.problem_type == "multi_label_classification"
+        self._special_ids = frozenset(self._tokenizer.all_special_ids)
+        # What the filler batches (warm-up, probes) run with: what most requests get.
+        self._default_adapter = loaded.spec.active_default_adapter
         self._active_adapter: str | None = None
         self._packed: PackedRunner | None = None
 
@@ -71,7 +92,7 @@ class Predictor:
         length = min(8, self.max_length)
         vocab = max(2, len(self._tokenizer))
         probe = [[(1 + row * length + i) % vocab for i in range(length)] for row in range(3)]
-        adapters: list[str | None] = [None] * len(probe)
+        adapters = [self._default_adapter] * len(probe)
         try:
             packed.attach()
             padded = self._logits(probe, adapters)
@@ -88,28 +109,79 @@ class Predictor:
         return False
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
-        """Token ids of each text, cut to the model's max length (or refused if truncate)."""
+        """Token ids of each text, cut to the model's max length (or refused if truncate);
+        a text with no tokens of its own is refused."""
+        if self.loaded.prompt is not None:
+            return [
+                self._encode_prompted(index, text, truncate) for index, text in enumerate(texts)
+            ]
         encoded = self._tokenizer(
             texts,
             truncation=truncate,
             max_length=self.max_length if truncate else None,
             add_special_tokens=True,
         )["input_ids"]
-        if not truncate:
-            for index, ids in enumerate(encoded):
-                if len(ids) > self.max_length:
-                    raise TextTooLong(index, len(ids), self.max_length)
+        for index, ids in enumerate(encoded):
+            if not truncate and len(ids) > self.max_length:
+                raise TextTooLong(index, len(ids), self.max_length)
+            if all(token in self._special_ids for token in ids):
+                raise NoTokens(index)
         return [list(ids) for ids in encoded]
 
+    def _encode_prompted(self, index: int, text: str, truncate: bool) -> list[int]:
+        """A causal-LM prompt's ids. Truncation cuts the text, never the prompt around it: the
+        end of the prompt is where the label word would come."""
+        prompt = self.loaded.prompt
+        assert prompt is not None
+        if not text.strip():
+            raise NoTokens(index)
+
+        def ids_of(content: str) -> list[int]:
+            rendered = prompt.render(content)
+            found: list[int] = self._tokenizer(
+                rendered, add_special_tokens=prompt.adds_special_tokens
+            )["input_ids"]
+            return found
+
+        ids = ids_of(text)
+        if len(ids) <= self.max_length:
+            return ids
+        if not truncate:
+            raise TextTooLong(index, len(ids), self.max_length)
+        room = max(1, self.max_length - len(ids_of("")))
+        text_ids = self._tokenizer(text, add_special_tokens=False)["input_ids"][:room]
+        ids = ids_of(self._tokenizer.decode(text_ids))
+        return ids[-self.max_length :]  # a tokenizer that merges across the cut: keep the end
+
     @torch.inference_mode()
-    def forward(self, batch: list[list[int]], adapters: list[str | None]) -> list[Scores]:
-        """Scores a batch of token-id rows; `adapters[i]` names row i's adapter."""
+    def forward(
+        self, batch: list[list[int]], adapters: list[str | None]
+    ) -> list[Scores | NonFiniteScores]:
+        """Scores a batch of token-id rows; `adapters[i]` names row i's adapter (None: none).
+
+        A row whose scores are not all finite comes back as a NonFiniteScores error, alone.
+        """
         logits = self._logits(batch, adapters).float()
         probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         return [
-            Scores(tuple(p), tuple(raw))
-            for p, raw in zip(probabilities.tolist(), logits.tolist(), strict=True)
+            Scores(tuple(p), tuple(raw)) if ok else NonFiniteScores(raw)
+            for p, raw, ok in zip(probabilities.tolist(), logits.tolist(), finite, strict=True)
         ]
+
+    def batch_variance(self) -> float:
+        """The largest logit difference of a probe text alone and inside a batch of texts of
+        other lengths: 0 where answers do not depend on batch-mates. Run it on the thread
+        that serves, after the warm-up."""
+        vocab = max(2, len(self._tokenizer))
+        lengths = [min(n, self.max_length) for n in (5, 2, 9, 5, 1, 7, 3, 12)]
+        probe = [
+            [(7 + 13 * row + 3 * i) % vocab for i in range(n)] for row, n in enumerate(lengths)
+        ]
+        adapters = [self._default_adapter] * len(probe)
+        together = self._logits(probe, adapters).float()
+        alone = torch.cat([self._logits([row], adapters[:1]).float() for row in probe])
+        return float((together - alone).abs().max().item())
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """On GPU, copies from pinned host memory without blocking the CPU thread."""
@@ -119,9 +191,10 @@ class Predictor:
 
     def predict(
         self, texts: list[str], adapter: str | None = None, truncate: bool = True
-    ) -> list[Scores]:
+    ) -> list[Scores | NonFiniteScores]:
         """Encodes and scores texts with one adapter (the model's default when None)."""
-        return self.forward(self.encode(texts, truncate), [adapter] * len(texts))
+        rows = self.encode(texts, truncate)
+        return self.forward(rows, [adapter or self._default_adapter] * len(rows))
 
     def warm_up(self, rows: int) -> None:
         """One forward at the largest shape served, so the first request pays no set-up."""
@@ -147,7 +220,7 @@ class Predictor:
         return max(0.0, small_seconds / per_token - small_tokens)
 
     def _median_forward_seconds(self, rows: int, length: int, repeats: int) -> float:
-        batch, adapters = self._filler(rows, length), [None] * rows
+        batch, adapters = self._filler(rows, length), [self._default_adapter] * rows
         seconds = []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -163,8 +236,7 @@ class Predictor:
     @torch.inference_mode()
     def _logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
         model: Any = self.loaded.model
-        default = self.loaded.spec.active_default_adapter
-        names = [name or default for name in adapters]
+        names = adapters
         switchable = bool(self.loaded.adapters) and not self.loaded.merged
         one_adapter = not switchable or len(set(names)) == 1
         if switchable and one_adapter:
@@ -179,12 +251,19 @@ class Predictor:
             pad_to_multiple_of=self.pad_to_multiple_of,
             return_tensors="pt",
         )
-        inputs = {name: self._to_device(tensor) for name, tensor in padded.items()}
-        if one_adapter:
-            return model(**inputs).logits  # type: ignore[no-any-return]
-        # peft's mixed-adapter inference: each row its own adapter.
-        rows = [name or BASE_ADAPTER for name in names]
-        return model(**inputs, adapter_names=rows).logits  # type: ignore[no-any-return]
+        inputs: dict[str, Any] = {name: self._to_device(t) for name, t in padded.items()}
+        if self.loaded.label_token_ids is not None:
+            # Left-padded: each row's positions count from its first real token, and only
+            # the last position's logits are computed (not [rows, tokens, vocabulary]).
+            mask = inputs["attention_mask"]
+            inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+            inputs["logits_to_keep"] = 1
+        if not one_adapter:  # peft's mixed-adapter inference: each row its own adapter.
+            inputs["adapter_names"] = [name or BASE_ADAPTER for name in names]
+        logits: torch.Tensor = model(**inputs).logits
+        if self.loaded.label_token_ids is not None:
+            return logits[:, -1, self.loaded.label_token_ids]
+        return logits
 
     def _activate(self, adapter: str | None) -> None:
         """Makes `adapter` the one peft applies to every row."""

@@ -45,15 +45,24 @@ class ServedModel:
     loaded: LoadedModel
     predictor: Predictor
     overhead_tokens: float | None = None  # the batch cost model's, see BatchLimits
+    # Largest logit difference of a probe text alone and among batch-mates, measured at load.
+    batch_variance: float | None = None
 
     @property
     def name(self) -> str:
         return self.loaded.spec.name
 
-    def fingerprint(self, adapter: str | None) -> str:
-        """What identifies this model's answers: base files plus the adapter's weights."""
-        adapter_digest = self.loaded.adapter_fingerprints.get(adapter or "", "no-adapter")
-        return f"{self.loaded.base_fingerprint}:{adapter or ''}:{adapter_digest}"
+    def adapter_for(self, name: str | None) -> str | None:
+        """The adapter a request gets: the one named, else the model's default.
+
+        The one place where "no adapter named" becomes the default adapter.
+        """
+        if name is None:
+            return self.loaded.spec.active_default_adapter
+        if name not in self.loaded.adapters:
+            adapters = ", ".join(self.loaded.adapters) or "none"
+            raise UnknownName(f"model {self.name!r} has no adapter {name!r}; adapters: {adapters}")
+        return name
 
 
 @dataclass
@@ -133,10 +142,12 @@ class Registry:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
                     device.submit(predictor.warm_up, self.warmup_rows).result()
+            with timed(loaded.phases, "warmup"):
+                variance = device.submit(predictor.batch_variance).result()
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
-        served = ServedModel(loaded, predictor, self.settings.batch_overhead_tokens)
+        served = ServedModel(loaded, predictor, self.settings.batch_overhead_tokens, variance)
         with self._lock:
             self.models[spec.name] = served
         progress.state, progress.finished = "ready", time.perf_counter()
@@ -160,15 +171,3 @@ class Registry:
                 f"model {wanted!r} is not served; models: {', '.join(s.name for s in self.specs)}"
             )
         return served
-
-    @staticmethod
-    def adapter_for(served: ServedModel, name: str | None) -> str | None:
-        """The adapter a request gets: the one named, else the model's default."""
-        if name is None:
-            return served.loaded.spec.active_default_adapter
-        if name not in served.loaded.adapters:
-            adapters = ", ".join(served.loaded.adapters) or "none"
-            raise UnknownName(
-                f"model {served.name!r} has no adapter {name!r}; adapters: {adapters}"
-            )
-        return name

@@ -71,7 +71,20 @@ class ModelSpec(BaseModel):
         description="Local folder, hub id (from the HF cache), or pkg:<module>/<sub-folder>."
     )
     revision: str | None = Field(None, description="Hub revision (commit) to pin.")
-    task: Literal["text-classification"] = "text-classification"
+    task: Literal["text-classification", "causal-lm"] = Field(
+        "text-classification",
+        description="text-classification: a *ForSequenceClassification head; causal-lm: a "
+        "causal LM scored by the next-token logits of `label_words` after `prompt`.",
+    )
+    prompt: str | None = Field(
+        None, description="causal-lm: the prompt, with {text} where the text goes."
+    )
+    label_words: dict[str, str] | None = Field(
+        None, description="causal-lm: label → the word that answers it (its first token counts)."
+    )
+    chat_template: bool = Field(
+        False, description="causal-lm: render the prompt through the tokenizer's chat template."
+    )
     quantization: Quantization = Field("none", description="none, int8, nf4, fp4, dynamic-int8.")
     dtype: DType = Field("auto", description="Weight dtype; auto is float32 on CPU.")
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -103,6 +116,24 @@ class ModelSpec(BaseModel):
             )
         if self.labels is not None and len(set(self.labels)) != len(self.labels):
             raise ValueError(f"model {self.name!r}: labels repeat: {self.labels}")
+        causal = (self.prompt, self.label_words, self.chat_template)
+        if self.task == "text-classification" and any(causal):
+            raise ValueError(
+                f"model {self.name!r}: prompt, label_words and chat_template are for "
+                "task: causal-lm"
+            )
+        if self.task == "causal-lm":
+            if self.prompt is None or self.prompt.count("{text}") != 1:
+                raise ValueError(f"model {self.name!r}: a causal-lm prompt holds {{text}} once")
+            if not self.label_words or len(self.label_words) < 2:
+                raise ValueError(
+                    f"model {self.name!r}: a causal-lm needs label_words for 2+ labels"
+                )
+            if self.labels is not None and self.labels != list(self.label_words):
+                raise ValueError(
+                    f"model {self.name!r}: labels {self.labels} differ from label_words' "
+                    f"{list(self.label_words)}"
+                )
         return self
 
     @property
@@ -194,7 +225,15 @@ def _with_paths_resolved(spec: ModelSpec, root: Path) -> ModelSpec:
 
 
 def _apply_adapter_dirs(specs: list[ModelSpec], adapter_dirs: dict[str, str]) -> list[ModelSpec]:
-    by_env = {adapter_env_name(spec.name): spec for spec in specs}
+    by_env: dict[str, ModelSpec] = {}
+    for spec in specs:
+        env_name = adapter_env_name(spec.name)
+        other = by_env.setdefault(env_name, spec)
+        if other is not spec:  # `spam-a` and `spam_a`: one variable could not tell them apart
+            raise ModelsFileError(
+                f"models {other.name!r} and {spec.name!r} share the setting {env_name}; "
+                "rename one of them"
+            )
     unknown = sorted(set(adapter_dirs) - set(by_env))
     if unknown:
         raise ModelsFileError(

@@ -17,7 +17,8 @@ Result = TypeVar("Result")
 # for several turns anyway, and its dynamic programme runs in the event loop in
 # O(rows × max_batch_size): a full queue of 8,192 rows held the loop 62 ms a batch here.
 COST_MODEL_WINDOW_BATCHES = 4
-PredictBatch = Callable[[list[list[int]], list[str | None]], Sequence[Result]]
+# Per row, its result, or the exception that fails that row alone.
+PredictBatch = Callable[[list[list[int]], list[str | None]], Sequence[Result | BaseException]]
 
 
 class QueueFull(Exception):
@@ -338,7 +339,11 @@ class Batcher(Generic[Result]):
                     row.future.set_exception(BatchFailed(str(exc) or type(exc).__name__))
             return
         for row, result in zip(rows, results, strict=True):
-            if not row.future.done():
+            if row.future.done():
+                continue
+            if isinstance(result, BaseException):
+                row.future.set_exception(result)
+            else:
                 row.future.set_result(result)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ logger = logging.getLogger(__name__)
 Entry = tuple[tuple[float, ...], tuple[float, ...]]  # probabilities, logits
 
 
-def cache_key(fingerprint: str, max_length: int, truncate: bool, text: str) -> str:
-    """Everything that changes the answer: weights, tokenizer, truncation, and the text."""
+def cache_key(identity: str, truncate: bool, text: str) -> str:
+    """Everything that changes the answer: the servable's identity (weights, adapter,
+    numerics, versions: api.serving.identity), truncation, and the text."""
     digest = hashlib.sha256()
-    for part in (fingerprint, str(max_length), "t" if truncate else "f", text):
+    for part in (identity, "t" if truncate else "f", text):
         digest.update(part.encode("utf-8", "surrogatepass"))
         digest.update(b"\x00")
     return digest.hexdigest()
@@ -82,9 +84,11 @@ class DiskTier:
 
 
 def _decode(raw: Any) -> Entry:
-    value = json.loads(raw)
-    probabilities, logits = value
-    return tuple(float(p) for p in probabilities), tuple(float(x) for x in logits)
+    probabilities, logits = json.loads(raw)
+    entry = tuple(float(p) for p in probabilities), tuple(float(x) for x in logits)
+    if not all(map(math.isfinite, entry[0] + entry[1])):
+        raise ValueError("non-finite score in a cache entry")
+    return entry
 
 
 @dataclass
@@ -156,7 +160,11 @@ class ResultCache:
         return None, "model"
 
     def store(self, keys: list[str], entries: list[Entry]) -> None:
-        """Writes computed results to both tiers; a disk fault is counted and ignored."""
+        """Writes computed results to both tiers; a disk fault is counted and ignored. An
+        entry with a non-finite score is never stored (the predictor fails such rows)."""
+        finite = [all(map(math.isfinite, e[0] + e[1])) for e in entries]
+        keys = [key for key, ok in zip(keys, finite, strict=True) if ok]
+        entries = [entry for entry, ok in zip(entries, finite, strict=True) if ok]
         for key, entry in zip(keys, entries, strict=True):
             if self.lru is not None:
                 self.lru.put(key, entry)

@@ -26,19 +26,25 @@ class Cascade:
     threshold: float
     metrics: Metrics
 
+    @property
+    def runners(self) -> tuple[ModelRunner, ModelRunner]:
+        return self.first, self.second
+
     def __post_init__(self) -> None:
         first, second = self.first.served.loaded.labels, self.second.served.loaded.labels
         if first != second:
             raise CascadeError(f"cascade models disagree on labels: {first} vs {second}")
 
     async def classify(
-        self, texts: list[str], truncate: bool, cache: ResultCache | None, timeout: float
+        self, texts: list[str], truncate: bool, cache: ResultCache | None, deadline: float
     ) -> tuple[Classified, list[str]]:
-        """Scores every text with the first model, and the unsure ones again with the second.
+        """Scores every text with the first model, and the unsure ones again with the second,
+        both stages within the request's one `deadline` (monotonic clock). Each model uses
+        its default adapter, and caches under that servable's identity.
 
         Returns the scores and, per text, the name of the model that gave them.
         """
-        result = await self.first.classify(texts, None, truncate, cache, timeout)
+        result = await self.first.classify(texts, None, truncate, cache, deadline)
         answered_by = [self.first.served.name] * len(texts)
         unsure = [
             index
@@ -47,7 +53,7 @@ class Cascade:
         ]
         if unsure:
             again = await self.second.classify(
-                [texts[i] for i in unsure], None, truncate, cache, timeout
+                [texts[i] for i in unsure], None, truncate, cache, deadline
             )
             for index, scores, tier in zip(unsure, again.scores, again.tiers, strict=True):
                 result.scores[index] = scores

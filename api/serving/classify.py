@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from api.models.predictor import Scores
 from api.models.registry import ServedModel
-from api.serving.batching import Batcher
+from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
+from api.serving.identity import AnswerIdentity
 
 INLINE_TOKENIZE_MAX_CHARS = 4096
 
@@ -25,12 +27,26 @@ class Classified:
         return ",".join(f"{tier}={self.tiers.count(tier)}" for tier in ("lru", "disk", "model"))
 
 
+def seconds_left(deadline: float) -> float:
+    """Seconds until `deadline` (on `time.monotonic`'s clock); past it, DeadlineExceeded."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed before its texts were queued")
+    return left
+
+
 @dataclass
 class ModelRunner:
     """A served model with its batcher: what a route calls to classify texts."""
 
     served: ServedModel
     batcher: Batcher[Scores]
+    # One per adapter (None: a model without adapters), built once when the model is served.
+    identities: dict[str | None, AnswerIdentity] = field(init=False)
+
+    def __post_init__(self) -> None:
+        adapters: list[str | None] = [*self.served.loaded.adapters] or [None]
+        self.identities = {name: AnswerIdentity.of(self.served, name) for name in adapters}
 
     async def classify(
         self,
@@ -38,22 +54,23 @@ class ModelRunner:
         adapter: str | None,
         truncate: bool,
         cache: ResultCache | None,
-        timeout: float,
+        deadline: float,
     ) -> Classified:
-        """Scores the texts, asking the model only for those no cache tier holds."""
-        spec = self.served.loaded.spec
+        """Scores the texts with the adapter named (None: the model's default), asking the
+        model only for those no cache tier holds, all before `deadline` (monotonic clock)."""
+        adapter = self.served.adapter_for(adapter)
         if cache is None or not cache.enabled:
-            scores = await self._compute(texts, adapter, truncate, timeout)
+            scores = await self._compute(texts, adapter, truncate, deadline)
             return Classified(scores, ["model"] * len(texts))
-        fingerprint = self.served.fingerprint(adapter)
-        keys = [cache_key(fingerprint, spec.max_length, truncate, text) for text in texts]
+        identity = self.identities[adapter].digest
+        keys = [cache_key(identity, truncate, text) for text in texts]
         found = cache.lookup(keys)
         missing = [index for index, entry in enumerate(found.entries) if entry is None]
         results: list[Scores | None] = [
             None if entry is None else Scores(*entry) for entry in found.entries
         ]
         if missing:
-            computed = await self._compute([texts[i] for i in missing], adapter, truncate, timeout)
+            computed = await self._compute([texts[i] for i in missing], adapter, truncate, deadline)
             for index, one in zip(missing, computed, strict=True):
                 results[index] = one
             entries: list[Entry] = [(s.probabilities, s.logits) for s in computed]
@@ -61,7 +78,7 @@ class ModelRunner:
         return Classified([r for r in results if r is not None], found.tiers)
 
     async def _compute(
-        self, texts: list[str], adapter: str | None, truncate: bool, timeout: float
+        self, texts: list[str], adapter: str | None, truncate: bool, deadline: float
     ) -> list[Scores]:
         # A few SMS tokenize in tens of microseconds, less than a hand-off to a thread costs;
         # long inputs go to a thread so the event loop keeps serving. Either way this runs
@@ -71,4 +88,4 @@ class ModelRunner:
             rows = encode(texts, truncate)
         else:
             rows = await asyncio.to_thread(encode, texts, truncate)
-        return await self.batcher.submit(rows, [adapter] * len(rows), timeout)
+        return await self.batcher.submit(rows, [adapter] * len(rows), seconds_left(deadline))

@@ -16,9 +16,11 @@ from api.http.schemas import (
     ModelProgress,
     ModelsResponse,
     ReadyResponse,
+    ServableIdentity,
 )
 from api.http.state import Phase, ServiceState
 from api.models.registry import ServedModel
+from api.serving.classify import ModelRunner
 
 router = APIRouter()
 
@@ -26,12 +28,18 @@ router = APIRouter()
 @router.get("/models", response_model=ModelsResponse)
 async def models(state: State) -> ModelsResponse:
     """What is loaded: base, adapters, quantization, dtype, device, load time by phase."""
-    return ModelsResponse(models=[model_info(served) for served in state.registry.in_order()])
+    return ModelsResponse(
+        models=[
+            model_info(served, state.runners.get(served.name))
+            for served in state.registry.in_order()
+        ]
+    )
 
 
-def model_info(served: ServedModel) -> ModelInfo:
-    """One model's entry in /models."""
+def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
+    """One model's entry in /models; its answer identities once its runner is up."""
     loaded, spec = served.loaded, served.loaded.spec
+    identities = [] if runner is None else list(runner.identities.items())
     mode = "merged" if loaded.merged else ("unmerged" if loaded.adapters else "none")
     return ModelInfo(
         name=spec.name,
@@ -50,7 +58,11 @@ def model_info(served: ServedModel) -> ModelInfo:
         load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},
         batch_overhead_tokens=served.overhead_tokens,
         packed_batches=served.predictor.packs_batches,
-        fingerprint=served.fingerprint(spec.active_default_adapter),
+        batch_max_logit_difference=served.batch_variance,
+        identities=[
+            ServableIdentity(adapter=name, digest=identity.digest, components=identity.components)
+            for name, identity in identities
+        ],
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ from api.http.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
+    NonFiniteAnswer,
     NotFound,
     Overloaded,
     Unavailable,
@@ -21,8 +23,8 @@ from api.http.errors import (
 from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.http.state import ServiceState
-from api.models.predictor import Scores, TextTooLong
-from api.models.registry import Registry, UnknownName
+from api.models.predictor import NonFiniteScores, Scores, UnservableText
+from api.models.registry import UnknownName
 from api.serving.batching import BatchFailed, QueueFull
 from api.serving.batching import DeadlineExceeded as BatchDeadline
 from api.serving.cache import ResultCache
@@ -33,7 +35,7 @@ RETRY_SOON = {"Retry-After": "1"}
 Answer = TypeVar("Answer")
 Ranked = dict[str, str | float]
 ERRORS: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 503, 504)
+    status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 500, 503, 504)
 }
 
 router = APIRouter()
@@ -46,23 +48,25 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Respo
         raise Unavailable(
             f"service is {state.phase.value}", {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
         )
+    # The one deadline of this request: every stage (the cascade's two included) shares it.
+    deadline = time.monotonic() + state.settings.request_timeout_seconds
     texts = body.texts
     check_limits(texts, state)
     cache = state.cache if body.cache else None
-    timeout = state.settings.request_timeout_seconds
     if body.model == CASCADE_NAME:
         cascade = pick_cascade(state, body.adapter)
         labels = cascade.first.served.loaded.labels
-        work = cascade.classify(texts, body.truncate, cache, timeout)
+        work = cascade.classify(texts, body.truncate, cache, deadline)
+        adapters = {r.served.name: r.served.adapter_for(None) for r in cascade.runners}
     else:
         runner, adapter = pick_runner(state, body.model, body.adapter)
         labels = runner.served.loaded.labels
-        work = single(runner, texts, adapter, body.truncate, cache, timeout)
+        work = single(runner, texts, adapter, body.truncate, cache, deadline)
+        adapters = {runner.served.name: adapter}
     result, answered_by = await answer(request, work)
     for name in set(answered_by):
-        adapter_name = state.runners[name].served.loaded.spec.active_default_adapter
-        chosen = adapter_name if body.model == CASCADE_NAME else body.adapter or adapter_name
-        state.metrics.predictions.labels(name, chosen or "none").inc(answered_by.count(name))
+        chosen = adapters[name] or "none"
+        state.metrics.predictions.labels(name, chosen).inc(answered_by.count(name))
     headers = {
         "X-Model": body.model or answered_by[0],
         "X-Answered-By": ",".join(answered_by),
@@ -82,7 +86,7 @@ def pick_runner(
     """The named model's runner and the adapter the request gets; 404 for unknown names."""
     try:
         runner = state.runners[state.registry.get(model).name]
-        return runner, Registry.adapter_for(runner.served, adapter)
+        return runner, runner.served.adapter_for(adapter)
     except UnknownName as exc:
         raise NotFound(str(exc)) from None
 
@@ -102,10 +106,10 @@ async def single(
     adapter: str | None,
     truncate: bool,
     cache: ResultCache | None,
-    timeout: float,
+    deadline: float,
 ) -> tuple[Classified, list[str]]:
     """One model answers every text."""
-    result = await runner.classify(texts, adapter, truncate, cache, timeout)
+    result = await runner.classify(texts, adapter, truncate, cache, deadline)
     return result, [runner.served.name] * len(texts)
 
 
@@ -113,8 +117,10 @@ async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
     """Runs the work; the batcher's and tokenizer's refusals become HTTP errors."""
     try:
         return await until_disconnect(request, work)
-    except TextTooLong as exc:
+    except UnservableText as exc:
         raise InvalidInput(str(exc)) from None
+    except NonFiniteScores as exc:
+        raise NonFiniteAnswer(str(exc)) from None
     except QueueFull as exc:
         raise Overloaded(f"model is busy: {exc}", RETRY_SOON) from None
     except BatchDeadline as exc:

@@ -1,0 +1,52 @@
+"""What identifies an answer: one digest per servable (a model with one adapter), built once
+when the model is loaded, that every cache tier keys by."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from functools import cache
+
+from api.models.registry import ServedModel
+
+# The libraries whose kernels compute the numbers: a new release may round differently.
+NUMERIC_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
+
+
+@dataclass(frozen=True)
+class AnswerIdentity:
+    """Everything that decides the scores a servable gives a text, and its digest."""
+
+    components: dict[str, object]
+    digest: str
+
+    @classmethod
+    def of(cls, served: ServedModel, adapter: str | None) -> AnswerIdentity:
+        """The identity of `served` answering with `adapter` (None: a model without any)."""
+        loaded = served.loaded
+        digests = loaded.adapter_digests.get(adapter) if adapter is not None else None
+        components: dict[str, object] = {
+            "base": loaded.base_fingerprint,
+            "adapter_weights": digests.weights if digests else None,
+            "adapter_config": digests.config if digests else None,
+            **loaded.numerics,
+            "packed_batches": served.predictor.packs_batches,
+            "pad_to_multiple_of": served.predictor.pad_to_multiple_of,
+            "versions": library_versions(),
+        }
+        canonical = json.dumps(components, sort_keys=True, separators=(",", ":"), default=str)
+        return cls(components, hashlib.sha256(canonical.encode()).hexdigest())
+
+
+@cache
+def library_versions() -> dict[str, str | None]:
+    """The installed version of each numeric library (None where it is not installed)."""
+    versions: dict[str, str | None] = {}
+    for name in NUMERIC_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
