@@ -15,8 +15,6 @@ from api.models.packing import PackedRunner, PackingUnsupported, tolerance
 
 logger = logging.getLogger(__name__)
 
-BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed batch
-
 
 class UnservableText(ValueError):
     """A text this model cannot score; the message says which and why."""
@@ -64,7 +62,10 @@ class Predictor:
         self.max_length = loaded.spec.max_length
         self._tokenizer = loaded.tokenizer
         self._sigmoid = loaded.problem_type == "multi_label_classification"
-        self._special_ids = frozenset(self._tokenizer.all_special_ids)
+        # Tokens that say nothing of the text ([CLS], [SEP], <s>...); [UNK] stands for text.
+        self._special_ids = frozenset(self._tokenizer.all_special_ids) - {
+            self._tokenizer.unk_token_id
+        }
         # What the filler batches (warm-up, probes) run with: what most requests get.
         self._default_adapter = loaded.spec.active_default_adapter
         self._active_adapter: str | None = None
@@ -235,16 +236,16 @@ class Predictor:
 
     @torch.inference_mode()
     def _logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
-        model: Any = self.loaded.model
-        names = adapters
         switchable = bool(self.loaded.adapters) and not self.loaded.merged
-        one_adapter = not switchable or len(set(names)) == 1
-        if switchable and one_adapter:
-            self._activate(names[0])
+        if switchable and len(set(adapters)) > 1:
+            return self._per_adapter(batch, adapters)
+        if switchable:
+            self._activate(adapters[0])
         if self._packed is not None and len(batch) > 1:  # one text has no padding to save
-            if one_adapter:
-                return self._packed_logits(self._packed, batch)
-            return self._packed_per_adapter(self._packed, batch, names)
+            return self._packed_logits(self._packed, batch)
+        return self._padded_logits(batch)
+
+    def _padded_logits(self, batch: list[list[int]]) -> torch.Tensor:
         padded = self._tokenizer.pad(
             {"input_ids": batch},
             padding=True,
@@ -258,12 +259,26 @@ class Predictor:
             mask = inputs["attention_mask"]
             inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
             inputs["logits_to_keep"] = 1
-        if not one_adapter:  # peft's mixed-adapter inference: each row its own adapter.
-            inputs["adapter_names"] = [name or BASE_ADAPTER for name in names]
-        logits: torch.Tensor = model(**inputs).logits
+        logits: torch.Tensor = cast(Any, self.loaded.model)(**inputs).logits
         if self.loaded.label_token_ids is not None:
             return logits[:, -1, self.loaded.label_token_ids]
         return logits
+
+    def _per_adapter(self, batch: list[list[int]], names: list[str | None]) -> torch.Tensor:
+        """One forward per adapter in the batch, the logits back in the batch's order.
+
+        Not peft's per-row `adapter_names`: it refuses a head saved in `modules_to_save` that
+        is not a plain Linear (ELECTRA's two-layer classifier: KoELECTRA's adapters), and a
+        packed batch (one row) has no batch dimension to split. A forward per adapter costs
+        its fixed overhead again, and runs each adapter's rows exactly as alone.
+        """
+        order: list[int] = []
+        parts = []
+        for adapter in dict.fromkeys(names):
+            rows = [index for index, name in enumerate(names) if name == adapter]
+            parts.append(self._logits([batch[index] for index in rows], [adapter] * len(rows)))
+            order += rows
+        return torch.cat(parts)[torch.tensor(order).argsort()]
 
     def _activate(self, adapter: str | None) -> None:
         """Makes `adapter` the one peft applies to every row."""
@@ -275,21 +290,3 @@ class Predictor:
         inputs = packed.inputs(batch)
         with packed.padded_encoder_output(inputs["packed_layout"]):
             return cast(Any, self.loaded.model)(**inputs).logits  # type: ignore[no-any-return]
-
-    def _packed_per_adapter(
-        self, packed: PackedRunner, batch: list[list[int]], names: list[str | None]
-    ) -> torch.Tensor:
-        """One packed forward per adapter in the batch, the logits back in the batch's order.
-
-        peft's mixed-adapter forward splits rows along the batch dimension, which a packed
-        batch (one row) does not have; a forward per adapter costs its fixed overhead again
-        but computes no padding.
-        """
-        order: list[int] = []
-        parts = []
-        for adapter in dict.fromkeys(names):
-            rows = [index for index, name in enumerate(names) if name == adapter]
-            self._activate(adapter)
-            parts.append(self._packed_logits(packed, [batch[index] for index in rows]))
-            order += rows
-        return torch.cat(parts)[torch.tensor(order).argsort()]
