@@ -273,3 +273,27 @@ def test_forward_overhead_is_its_fixed_time_over_its_time_per_token(
     monkeypatch.setattr(predictor, "forward", lambda batch, adapters: time.sleep(0.05))
     flat = predictor.overhead_tokens(repeats=3)
     assert flat is None or flat > 5000
+
+
+def test_a_bf16_model_keeps_its_head_and_logits_in_float32(tiny_bert: TinyModel) -> None:
+    spec = spec_for(tiny_bert, adapters=("spam",), dtype="bfloat16")
+    loaded = load_model(spec, make_settings())
+    heads = [m for n, m in loaded.model.named_modules() if n.endswith("classifier")]
+    assert heads and all(p.dtype == torch.float32 for h in heads for p in h.parameters())
+    encoder = next(p for n, p in loaded.model.named_parameters() if "encoder" in n)
+    assert encoder.dtype == torch.bfloat16
+    # Not merged: bf16 weights would round away part of the LoRA delta.
+    assert not loaded.merged
+    predictor = Predictor(loaded)
+    rows = predictor.encode(TEXTS)
+    logits = predictor._logits(rows, ["spam"] * len(rows))
+    assert logits.dtype == torch.float32
+
+
+def test_classifier_forwards_build_no_kv_cache(tiny_llama: TinyModel) -> None:
+    loaded = load_model(spec_for(tiny_llama, adapters=("spam",)), make_settings())
+    predictor = Predictor(loaded)
+    ids = torch.tensor(predictor.encode(["win a prize"]))
+    output = loaded.model(input_ids=ids)
+    assert getattr(output, "past_key_values", None) is None
+    assert loaded.model.config.use_cache is False
