@@ -21,6 +21,8 @@ from transformers import (
 from api.models.adapters import AdapterDigests, AdapterError, attach_adapters
 from api.models.causal_lm import LabelWordsError, Prompt, first_token_ids
 from api.models.checkpoint import CheckpointError, folder_fingerprint, verify_files, weight_files
+from api.models.convert.exaone import ExaoneError, convert_exaone, is_exaone
+from api.models.convert.exaone_adapter import convert_exaone_adapter
 from api.models.quantization import (
     HEAD_MODULES,
     QuantizationRefused,
@@ -29,7 +31,7 @@ from api.models.quantization import (
     quantize_dynamic_int8,
     torch_dtype,
 )
-from api.models.spec import ModelSpec
+from api.models.spec import AdapterSpec, ModelSpec
 from api.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -157,6 +159,29 @@ def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
         raise LoadError(spec.name, spec.gguf.file, str(exc)) from None
 
 
+def exaone_as_llama(
+    spec: ModelSpec, folder: Path, files: list[Path], settings: Settings
+) -> tuple[Path, list[AdapterSpec]]:
+    """An EXAONE base and its adapters in the Llama layout, converted into the model cache
+    on first use. An adapter's pinned sha256 is checked against its original file, before
+    conversion; the converted copy then loads unpinned."""
+    cache = settings.model_cache_folder
+    try:
+        converted = convert_exaone(folder, files, spec.weights_sha256, cache)
+        adapters = [
+            adapter.model_copy(
+                update={
+                    "path": convert_exaone_adapter(adapter.path, adapter.sha256, cache),
+                    "sha256": None,
+                }
+            )
+            for adapter in spec.adapters
+        ]
+    except ExaoneError as exc:
+        raise LoadError(spec.name, exc.path, exc.reason) from None
+    return converted, adapters
+
+
 def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
     """Loads a declared model, its quantization and adapters; every failure is a LoadError."""
     phases = dict.fromkeys(PHASES, 0.0)
@@ -172,7 +197,11 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
         try:
             files = weight_files(folder, settings.use_safetensors)
             verify_files(files, spec.weights_sha256)
-            base_fingerprint = folder_fingerprint(folder, spec.weights_sha256)
+            pinned, adapters = spec.weights_sha256, spec.adapters
+            if is_exaone(folder):  # served as the Llama it is, without its remote code
+                folder, adapters = exaone_as_llama(spec, folder, files, settings)
+                pinned = {}  # the pins named the EXAONE files, checked just above
+            base_fingerprint = folder_fingerprint(folder, pinned)
         except CheckpointError as exc:
             raise LoadError(spec.name, exc.path, exc.reason) from None
         config = _read_config(spec, folder)
@@ -200,7 +229,7 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
     if spec.adapters:
         with timed(phases, "adapters"):
             try:
-                model, adapter_digests = attach_adapters(model, spec.adapters, missing_keys)
+                model, adapter_digests = attach_adapters(model, adapters, missing_keys)
             except AdapterError as exc:
                 raise LoadError(spec.name, exc.path, exc.reason) from None
     elif missing_keys:
