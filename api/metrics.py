@@ -141,6 +141,12 @@ class Metrics:
         self.batch_dropped = Counter(
             f"{p}_batch_dropped", "Texts dropped unrun", ["model", "reason"], registry=r
         )
+        self.admission_refusals = Counter(
+            f"{p}_admission_refusals",
+            "Requests refused (429) because they would finish past the latency target",
+            ["model"],
+            registry=r,
+        )
         self.non_finite_rows = Counter(
             f"{p}_non_finite_rows",
             "Texts the model scored NaN or infinity (failed alone, never cached)",

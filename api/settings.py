@@ -179,7 +179,10 @@ class Settings(BaseSettings):
     )
 
     latency_target_seconds: float = Field(
-        2.0, gt=0, description="Response-time target; requests over it are counted."
+        2.0,
+        gt=0,
+        description="Response-time target: a request expected to finish past it gets 429 "
+        "(admission by time); requests over it are counted.",
     )
 
     @property

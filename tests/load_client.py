@@ -75,9 +75,9 @@ def sms_texts(count: int = 2000) -> list[str]:
     return list(dict.fromkeys(row.text for row in read_collection()))[:count]
 
 
-def predict_request(host: str, text: str) -> bytes:
-    """A whole `POST /predict` for one text, as bytes on the wire."""
-    body = json.dumps({"inputs": text}).encode()
+def predict_request(host: str, texts: str | list[str]) -> bytes:
+    """A whole `POST /predict` for one text or a list, as bytes on the wire."""
+    body = json.dumps({"inputs": texts}).encode()
     head = (
         f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -154,13 +154,20 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-def run_load(url: str, clients: int, seconds: float, texts: list[str]) -> LoadResult:
-    """`clients` connections sending one text per request, for `seconds`; then what was seen.
+def run_load(
+    url: str, clients: int, seconds: float, texts: list[str], per_request: int = 1
+) -> LoadResult:
+    """`clients` connections sending `per_request` texts per request (one: a bare string),
+    for `seconds`; then what was seen.
 
     Every client waits for its last answer, so nothing is in flight when this returns.
     """
     host = urlsplit(url).netloc
-    requests = [predict_request(host, text) for text in texts]
+    if per_request == 1:
+        requests = [predict_request(host, text) for text in texts]
+    else:
+        groups = [texts[i : i + per_request] for i in range(0, len(texts), per_request)]
+        requests = [predict_request(host, group) for group in groups]
     result = LoadResult(clients=clients, seconds=seconds)
 
     async def main() -> None:

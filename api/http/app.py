@@ -21,6 +21,7 @@ from api.metrics import Metrics
 from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
 from api.models.spec import ModelSpec, load_models_file
+from api.serving.admission import Admission
 from api.serving.batching import Batcher, BatchLimits, BatchStats
 from api.serving.cache import ResultCache
 from api.serving.cascade import Cascade, cascade_models
@@ -118,7 +119,14 @@ def _start_runners(state: ServiceState) -> None:
         # One thread and one slot per device: one batch at a time on each device.
         executor = state.registry.device_thread(served.loaded.device)
         slot = slots.setdefault(str(served.loaded.device), asyncio.Semaphore(1))
-        state.runners[served.name] = ModelRunner(served, _batcher(state, served, executor, slot))
+        refused = state.metrics.admission_refusals.labels(served.name)
+        admission = Admission(
+            state.settings.latency_target_seconds,
+            state.settings.max_batch_size,
+            on_refuse=refused.inc,
+        )
+        batcher = _batcher(state, served, executor, slot, admission)
+        state.runners[served.name] = ModelRunner(served, batcher, admission)
         _report_model(state.metrics, served)
 
 
@@ -127,10 +135,12 @@ def _batcher(
     served: ServedModel,
     executor: ThreadPoolExecutor,
     slot: asyncio.Semaphore,
+    admission: Admission,
 ) -> Batcher[Scores]:
     settings, metrics, name = state.settings, state.metrics, served.name
 
     def on_batch(stats: BatchStats) -> None:
+        admission.cost.observe(stats.tokens, stats.run_seconds)
         metrics.batch_size.labels(name).observe(stats.rows)
         metrics.batch_tokens.labels(name).observe(stats.tokens)
         metrics.batch_inference_seconds.labels(name).observe(stats.run_seconds)

@@ -129,6 +129,7 @@ class Batcher(Generic[Result]):
         self._on_batch = on_batch
         self._on_drop = on_drop
         self._pending: list[_Row[Result]] = []
+        self._queued_tokens = 0
         self._inflight: dict[Hashable, _Row[Result]] = {}
         self._arrived = asyncio.Event()
         self._requests = 0
@@ -139,6 +140,11 @@ class Batcher(Generic[Result]):
     def queued_rows(self) -> int:
         """Rows waiting for a batch."""
         return len(self._pending)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Real tokens of the rows waiting for a batch."""
+        return self._queued_tokens
 
     @property
     def requests(self) -> int:
@@ -162,6 +168,7 @@ class Batcher(Generic[Result]):
             if not row.future.done():
                 row.future.set_exception(BatchFailed("service stopped"))
         self._pending.clear()
+        self._queued_tokens = 0
 
     async def submit(
         self, rows: list[list[int]], adapters: list[str | None], timeout: float
@@ -180,6 +187,7 @@ class Batcher(Generic[Result]):
                 row.future.add_done_callback(_retrieve)
                 self._inflight[key] = row
                 self._pending.append(row)
+                self._queued_tokens += len(ids)
             else:  # the same text is queued or running: wait for that one
                 row.deadline = max(row.deadline, now + timeout)
             row.waiters += 1
@@ -248,11 +256,12 @@ class Batcher(Generic[Result]):
             else:
                 live.append(row)
         if not live:
-            self._pending = []
+            self._pending, self._queued_tokens = [], 0
             return _Batch(self.limits.packed)
         batch = self._choose(live)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
+        self._queued_tokens = sum(len(row.ids) for row in self._pending)
         for row in batch.rows:
             row.started = True
         return batch

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from api.models.predictor import Scores
 from api.models.registry import ServedModel
+from api.serving.admission import Admission
 from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
 from api.serving.identity import AnswerIdentity
@@ -41,6 +42,7 @@ class ModelRunner:
 
     served: ServedModel
     batcher: Batcher[Scores]
+    admission: Admission
     # One per adapter (None: a model without adapters), built once when the model is served.
     identities: dict[str | None, AnswerIdentity] = field(init=False)
 
@@ -88,4 +90,8 @@ class ModelRunner:
             rows = encode(texts, truncate)
         else:
             rows = await asyncio.to_thread(encode, texts, truncate)
-        return await self.batcher.submit(rows, [adapter] * len(rows), seconds_left(deadline))
+        left = seconds_left(deadline)
+        batcher = self.batcher
+        tokens = sum(map(len, rows))
+        self.admission.check(batcher.queued_rows, batcher.queued_tokens, len(rows), tokens, left)
+        return await batcher.submit(rows, [adapter] * len(rows), left)

@@ -25,6 +25,7 @@ from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.http.state import ServiceState
 from api.models.predictor import NonFiniteScores, Scores, UnservableText
 from api.models.registry import UnknownName
+from api.serving.admission import NotAdmitted
 from api.serving.batching import BatchFailed, QueueFull
 from api.serving.batching import DeadlineExceeded as BatchDeadline
 from api.serving.cache import ResultCache
@@ -32,6 +33,7 @@ from api.serving.cascade import CASCADE_NAME, Cascade
 from api.serving.classify import Classified, ModelRunner
 
 RETRY_SOON = {"Retry-After": "1"}
+TIMEOUT_HEADER = "X-Request-Timeout"
 Answer = TypeVar("Answer")
 Ranked = dict[str, str | float]
 ERRORS: dict[int | str, dict[str, object]] = {
@@ -49,7 +51,7 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Respo
             f"service is {state.phase.value}", {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
         )
     # The one deadline of this request: every stage (the cascade's two included) shares it.
-    deadline = time.monotonic() + state.settings.request_timeout_seconds
+    deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
     texts = body.texts
     check_limits(texts, state)
     cache = state.cache if body.cache else None
@@ -123,6 +125,8 @@ async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
         raise NonFiniteAnswer(str(exc)) from None
     except QueueFull as exc:
         raise Overloaded(f"model is busy: {exc}", RETRY_SOON) from None
+    except NotAdmitted as exc:
+        raise Overloaded(f"model is busy: {exc}", {"Retry-After": str(exc.retry_after)}) from None
     except BatchDeadline as exc:
         raise DeadlineExceeded(str(exc)) from None
     except BatchFailed as exc:
@@ -148,6 +152,20 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, Answer]) 
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def request_timeout(request: Request, limit: float) -> float:
+    """The client's `X-Request-Timeout` (seconds) where it sends one shorter than `limit`."""
+    sent = request.headers.get(TIMEOUT_HEADER)
+    if sent is None:
+        return limit
+    try:
+        seconds = float(sent)
+    except ValueError:
+        raise InvalidInput(f"{TIMEOUT_HEADER}: not a number of seconds") from None
+    if not 0 < seconds < float("inf"):
+        raise InvalidInput(f"{TIMEOUT_HEADER}: must be a positive number of seconds")
+    return min(seconds, limit)
 
 
 def check_limits(texts: list[str], state: ServiceState) -> None:
