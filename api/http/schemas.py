@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from api.models.spec import NAME_PATTERN
+
+
+class ClassificationParameters(BaseModel):
+    """`parameters` as Hugging Face's InferenceClient sends them for text classification."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: Annotated[int, Field(ge=1)] | None = Field(None, description="Only the k best.")
+    function_to_apply: Literal["softmax", "sigmoid", "none"] | None = Field(
+        None, description="softmax (the default), sigmoid of each logit, or none (logits)."
+    )
 
 
 class PredictRequest(BaseModel):
@@ -34,6 +45,12 @@ class PredictRequest(BaseModel):
         None, description="Return only the k best labels."
     )
     cache: StrictBool = Field(True, description="false: neither read nor write the cache.")
+    parameters: ClassificationParameters | None = Field(
+        None, description="InferenceClient's parameters: top_k, function_to_apply."
+    )
+    truncation_direction: Literal["right", "Right"] = Field(
+        "right", description="TEI's field: texts are cut at the end (left is not supported)."
+    )
 
     @field_validator("inputs")
     @classmethod
@@ -45,6 +62,21 @@ class PredictRequest(BaseModel):
             except UnicodeEncodeError:
                 raise ValueError(f"inputs[{index}] is not valid Unicode (lone surrogate)") from None
         return inputs
+
+    @property
+    def scores_shown(self) -> str:
+        """softmax (probabilities as the model gives them), sigmoid, or none (logits)."""
+        function = self.parameters.function_to_apply if self.parameters else None
+        if function is not None:
+            return function
+        return "none" if self.raw_scores else "softmax"
+
+    @property
+    def best(self) -> int | None:
+        """How many labels to return: `parameters.top_k`, else `top_k`, else all."""
+        if self.parameters is not None and self.parameters.top_k is not None:
+            return self.parameters.top_k
+        return self.top_k
 
     @property
     def texts(self) -> list[str]:
@@ -147,10 +179,28 @@ class CascadeInfo(BaseModel):
     threshold: float
 
 
+class ClassifierType(BaseModel):
+    id2label: dict[str, str]
+    label2id: dict[str, int]
+
+
 class InfoResponse(BaseModel):
+    """The service, its limits, and text-embeddings-inference's fields (first model)."""
+
     name: str
     version: str
     models: list[str]
+    model_id: str | None = Field(None, description="TEI: the first model's base.")
+    model_sha: str | None = None
+    model_dtype: str | None = None
+    model_type: dict[str, ClassifierType] | None = Field(
+        None, description="TEI: {'classifier': {id2label, label2id}} of the first model."
+    )
+    max_input_length: int | None = Field(None, description="TEI: the first model's max tokens.")
+    max_batch_tokens: int
+    max_batch_requests: int
+    max_client_batch_size: int
+    max_concurrent_requests: int
     max_texts_per_request: int
     max_text_chars: int
     max_body_bytes: int

@@ -10,7 +10,7 @@ from api.http.state import ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
-ROUTES = frozenset({"/predict", "/models", "/health", "/ready", "/info", "/metrics"})
+ROUTES = frozenset({"/", "/predict", "/models", "/health", "/ready", "/info", "/metrics"})
 
 
 class RequestMetrics:

@@ -10,6 +10,7 @@ from api import __version__
 from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
 from api.http.schemas import (
     CascadeInfo,
+    ClassifierType,
     HealthResponse,
     InfoResponse,
     ModelInfo,
@@ -95,15 +96,35 @@ async def ready(state: State) -> JSONResponse:
 async def info(state: State) -> InfoResponse:
     """The service's version, models and request limits."""
     settings = state.settings
+    first = state.registry.specs[0]
+    served = state.registry.models.get(first.name)
+    loaded = served.loaded if served is not None else None
     return InfoResponse(
         name="loraserve",
         version=__version__,
         models=[spec.name for spec in state.registry.specs],
+        model_id=first.base,
+        model_sha=loaded.revision if loaded else None,
+        model_dtype=loaded.dtype if loaded else None,
+        model_type=None if loaded is None else {"classifier": classifier_type(loaded.labels)},
+        max_input_length=first.max_length,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_requests=settings.max_batch_size,
+        max_client_batch_size=settings.max_texts_per_request,
+        max_concurrent_requests=settings.max_queue_size,
         max_texts_per_request=settings.max_texts_per_request,
         max_text_chars=settings.max_text_chars,
         max_body_bytes=settings.max_body_bytes,
         latency_target_seconds=settings.latency_target_seconds,
         cascade=cascade_info(state),
+    )
+
+
+def classifier_type(labels: list[str]) -> ClassifierType:
+    """TEI's `model_type.classifier`: the labels by index and back."""
+    return ClassifierType(
+        id2label={str(index): label for index, label in enumerate(labels)},
+        label2id={label: index for index, label in enumerate(labels)},
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ ERRORS: dict[int | str, dict[str, object]] = {
 router = APIRouter()
 
 
+@router.post("/", response_model=PredictResponse, responses=ERRORS)
 @router.post("/predict", response_model=PredictResponse, responses=ERRORS)
 async def predict(body: PredictRequest, request: Request, state: State) -> Response:
     """Classifies one text or a list of texts, with one model or the cascade."""
@@ -76,10 +78,14 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Respo
     }
     if body.model != CASCADE_NAME:
         headers["X-Adapter"] = adapter or ""
-    ranked = [rank(labels, s, body.raw_scores, body.top_k) for s in result.scores]
+    ranked = [rank(labels, s, body.scores_shown, body.best) for s in result.scores]
     # Built here, not by FastAPI from the response model: re-validating every score of every
     # answer costs more than the rest of the route (PredictResponse still documents it).
-    return JSONResponse(ranked[0] if isinstance(body.inputs, str) else ranked, headers=headers)
+    # One text gets one list (TEI's answer), unless the request came in the Hugging Face
+    # Inference API's shape (with `parameters`, as InferenceClient sends it), whose answer to
+    # one text is a list holding that list.
+    one_list = isinstance(body.inputs, str) and body.parameters is None
+    return JSONResponse(ranked[0] if one_list else ranked, headers=headers)
 
 
 def pick_runner(
@@ -182,8 +188,17 @@ def check_limits(texts: list[str], state: ServiceState) -> None:
             )
 
 
-def rank(labels: list[str], scores: Scores, raw: bool, top_k: int | None) -> list[Ranked]:
-    """Labels with their scores, best first, shaped as `LabelScore`."""
-    values = scores.logits if raw else scores.probabilities
+def rank(labels: list[str], scores: Scores, shown: str, top_k: int | None) -> list[Ranked]:
+    """Labels with their scores (`shown`: softmax, sigmoid or none), best first, shaped as
+    `LabelScore`."""
+    if shown == "none":
+        values = scores.logits
+    elif shown == "sigmoid":
+        values = tuple(
+            1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+            for x in scores.logits
+        )
+    else:
+        values = scores.probabilities
     pairs = sorted(zip(labels, values, strict=True), key=lambda p: -p[1])
     return [{"label": label, "score": score} for label, score in pairs[:top_k]]
