@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from api.models.checkpoint import sha256_of
-from api.models.convert import gguf as gguf_module
+from api.models.convert import staging as staging_module
 from api.models.convert.gguf import GgufError, convert_gguf
 from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
@@ -254,7 +254,7 @@ def test_failure_after_writing_leaves_neither_final_nor_temporary_folder(
         assert (folder / "model.safetensors").is_file()  # everything was written, not yet moved
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf_module, "_sync_tree", disk_full)
+    monkeypatch.setattr(staging_module, "_sync_tree", disk_full)
     with pytest.raises(GgufError, match="No space left on device"):
         convert_gguf(tiny_gguf.path, tiny_gguf.sha256, tmp_path / "models" / "tiny")
 

@@ -10,10 +10,6 @@ reads like any other base.
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from api.models.checkpoint import sha256_of
+from api.models.convert.staging import staged_folder
 
 WEIGHTS_FILE = "model.safetensors"
-STAGING_MARK = ".partial-"
 
 
 class GgufError(Exception):
@@ -40,25 +36,15 @@ def convert_gguf(
     `out_folder`; raises GgufError naming the file on any failure.
     """
     check_sha256(gguf_path, expected_sha256)
-    out_folder.parent.mkdir(parents=True, exist_ok=True)
-    # Same parent, so the final rename stays on one filesystem and is atomic.
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{out_folder.name}{STAGING_MARK}", dir=out_folder.parent)
-    )
     try:
-        # mkdtemp makes the folder private (0700); the service may read it as another user.
-        staging.chmod(0o755)
-        write_folder(gguf_path, staging, dtype)
-        _make_readable(staging)
-        _sync_tree(staging)
-        _publish(staging, out_folder)
+        with staged_folder(out_folder, WEIGHTS_FILE) as staging:
+            write_folder(gguf_path, staging, dtype)
     except GgufError:
         raise
+    except FileExistsError as exc:
+        raise GgufError(f"{out_folder}: {exc.strerror}") from None
     except Exception as exc:  # transformers and gguf raise many types; each becomes one error
         raise GgufError(f"{gguf_path}: cannot convert: {_one_line(exc)}") from None
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return out_folder
 
 
@@ -98,42 +84,6 @@ def write_folder(gguf_path: Path, folder: Path, dtype: torch.dtype) -> None:
     tokenizer.save_pretrained(folder)
     if not (folder / WEIGHTS_FILE).is_file():  # a sharded save would be read differently
         raise GgufError(f"{gguf_path}: conversion wrote no single {WEIGHTS_FILE}")
-
-
-def _make_readable(folder: Path) -> None:
-    """safetensors writes weights 0600; the service may run as another user than the converter."""
-    for path in folder.iterdir():
-        if path.is_file():
-            path.chmod(0o644)
-
-
-def _sync_tree(folder: Path) -> None:
-    """Flushes every file to disk before the rename publishes them (power loss, not only
-    a crash of this process, must not leave a complete-looking folder of empty files)."""
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _publish(staging: Path, out_folder: Path) -> None:
-    """Renames the finished folder into place; a complete folder already there wins."""
-    try:
-        staging.rename(out_folder)
-    except OSError as exc:
-        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise
-        # Another process converted the same file meanwhile: its folder is as good as ours.
-        if (out_folder / "config.json").is_file() and (out_folder / WEIGHTS_FILE).is_file():
-            return
-        raise GgufError(
-            f"{out_folder}: exists but is not a complete conversion; remove it to convert again"
-        ) from None
 
 
 def _one_line(exc: BaseException) -> str:
