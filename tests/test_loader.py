@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -273,3 +275,24 @@ def test_forward_overhead_is_its_fixed_time_over_its_time_per_token(
     monkeypatch.setattr(predictor, "forward", lambda batch, adapters: time.sleep(0.05))
     flat = predictor.overhead_tokens(repeats=3)
     assert flat is None or flat > 5000
+
+
+def test_release_memory_frees_what_only_a_reference_cycle_holds(tiny_bert: TinyModel) -> None:
+    """What the batcher calls before retrying the halves of an out-of-memory batch (on a GPU
+    it then empties the allocator's cache, which can only give back what is freed)."""
+    predictor = Predictor(load_model(spec_for(tiny_bert, adapters=("spam",)), make_settings()))
+
+    class Frame:  # stands for a failed forward's frame caught in a cycle with its exception
+        cycle: object = None
+
+    held = Frame()
+    held.cycle = held
+    alive = weakref.ref(held)
+    del held
+    gc.disable()  # the collector must not run by chance before release_memory does
+    try:
+        assert alive() is not None
+        predictor.release_memory()
+        assert alive() is None
+    finally:
+        gc.enable()

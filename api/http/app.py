@@ -162,6 +162,7 @@ def _batcher(
         device_slot=slot,
         on_batch=on_batch,
         on_drop=lambda reason: metrics.batch_dropped.labels(name, reason).inc(),
+        on_out_of_memory=served.predictor.release_memory,
     )
     metrics.queue_depth.labels(name).set_function(lambda: batcher.queued_rows)
     batcher.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -183,6 +184,17 @@ class Predictor:
         together = self._logits(probe, adapters).float()
         alone = torch.cat([self._logits([row], adapters[:1]).float() for row in probe])
         return float((together - alone).abs().max().item())
+
+    def release_memory(self) -> None:
+        """After an out-of-memory batch and before its halves run: frees what the failed
+        forward left and, on a GPU, hands the allocator's cached blocks back, so the halves
+        start from the weights alone. Run it on the thread that serves."""
+        # The failed forward's frames, with their activations, may sit in reference cycles
+        # (an exception's context holding another's traceback) that refcounts never free.
+        gc.collect()
+        if self.loaded.device.type == "cuda":
+            with torch.cuda.device(self.loaded.device):
+                torch.cuda.empty_cache()
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """On GPU, copies from pinned host memory without blocking the CPU thread."""
