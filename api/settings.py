@@ -79,7 +79,9 @@ class Settings(BaseSettings):
     torch_num_threads: int | None = Field(
         None, ge=1, description="Intra-op threads for torch on CPU; unset uses every core."
     )
-    warmup: bool = Field(True, description="Run one batch at the largest shape after loading.")
+    warmup: bool = Field(
+        True, description="Run the largest batches the batcher can form after loading."
+    )
     merge_single_adapter: bool = Field(
         True, description="Merge a model's only adapter into full-precision weights."
     )

@@ -46,7 +46,7 @@ def create_app(
         specs = load_models_file(settings.models_file, settings.adapter_dirs)
     cascade = cascade_models(settings, specs)
     metrics = Metrics(settings.latency_target_seconds)
-    registry = Registry(specs, settings, warmup_rows=settings.max_batch_size)
+    registry = Registry(specs, settings)
     state = ServiceState(settings=settings, registry=registry, metrics=metrics)
 
     @asynccontextmanager

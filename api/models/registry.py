@@ -71,7 +71,6 @@ class Registry:
 
     specs: list[ModelSpec]
     settings: Settings
-    warmup_rows: int = 1
     progress: dict[str, Progress] = field(init=False)
     models: dict[str, ServedModel] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -141,7 +140,8 @@ class Registry:
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
-                    device.submit(predictor.warm_up, self.warmup_rows).result()
+                    limits = self.settings.max_batch_size, self.settings.max_batch_tokens
+                    device.submit(predictor.warm_up, *limits).result()
             with timed(loaded.phases, "warmup"):
                 variance = device.submit(predictor.batch_variance).result()
         except BaseException:
