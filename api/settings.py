@@ -60,7 +60,10 @@ class Settings(BaseSettings):
         description="Build models empty, then fill them (transformers 5 always does).",
     )
     max_memory_gb: float | None = Field(
-        None, gt=0, description="Cap on memory per device (each GPU and the CPU), in GiB."
+        None,
+        gt=0,
+        description="Memory budget per GPU shared by every model, in GiB: each gets what the "
+        "models before it left; one it cannot hold on the GPU is refused, never offloaded.",
     )
     hf_home: Path | None = Field(
         None, description="Hugging Face cache root (put it on an SSD); hub ids resolve here."
