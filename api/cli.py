@@ -11,7 +11,7 @@ from types import FrameType
 
 import uvicorn
 
-from api.http.app import create_app
+from api.http.app import DeviceFailed, create_app
 from api.http.state import Phase, ServiceState
 from api.models.spec import ModelsFileError, load_models_file
 from api.serving.cascade import CascadeError
@@ -19,6 +19,7 @@ from api.settings import Settings, SettingsError, load_settings
 
 EXIT_BAD_SETTINGS = 2
 EXIT_LOAD_FAILED = 1
+EXIT_DEVICE_FAILED = 3
 
 
 class Server(uvicorn.Server):
@@ -27,10 +28,11 @@ class Server(uvicorn.Server):
     On the signal `/ready` and new requests answer 503 at once, while requests already
     accepted finish (at most DRAIN_SECONDS); only then does uvicorn close its sockets. Plain
     uvicorn stops accepting at once and re-raises the signal, so the process ends with 143.
+    A fatal device error drains the same way, then the process exits with EXIT_DEVICE_FAILED.
     """
 
     service: ServiceState | None = None
-    load_error: BaseException | None = None
+    fatal_error: BaseException | None = None
     drain_seconds: float = 10.0
     _drain: asyncio.Task[None] | None = None
 
@@ -48,6 +50,16 @@ class Server(uvicorn.Server):
         service.metrics.ready.set(0)
         loop = asyncio.get_event_loop()
         loop.call_soon_threadsafe(self._start_drain, loop)
+
+    def stop_on_fatal(self, error: BaseException) -> None:
+        """Stops with `error` as the reason. After a fatal device error (/ready already 503)
+        the requests in flight still get their answers, within the drain time, as on
+        SIGTERM; a failed load stops at once. Called on the event loop."""
+        self.fatal_error = error
+        if isinstance(error, DeviceFailed) and self.service is not None and self._drain is None:
+            self._start_drain(asyncio.get_running_loop())
+        else:
+            self.should_exit = True
 
     def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
         self._drain = loop.create_task(self._drain_then_exit())
@@ -73,11 +85,10 @@ def build_server(settings: Settings) -> Server:
     specs = load_models_file(settings.models_file, settings.adapter_dirs)
     server: Server
 
-    def stop_on_failure(error: BaseException) -> None:
-        server.load_error = error
-        server.should_exit = True
+    def stop_on_fatal(error: BaseException) -> None:
+        server.stop_on_fatal(error)
 
-    app = create_app(settings, specs, on_fatal=stop_on_failure)
+    app = create_app(settings, specs, on_fatal=stop_on_fatal)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -110,8 +121,11 @@ def main() -> int:
         print(f"loraserve: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     server.run()
-    if server.load_error is not None:
-        print(f"loraserve: start-up failed: {server.load_error}", file=sys.stderr)
+    if isinstance(server.fatal_error, DeviceFailed):
+        print(f"loraserve: stopped by a fatal device error: {server.fatal_error}", file=sys.stderr)
+        return EXIT_DEVICE_FAILED
+    if server.fatal_error is not None:
+        print(f"loraserve: start-up failed: {server.fatal_error}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     return 0
 

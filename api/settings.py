@@ -60,7 +60,10 @@ class Settings(BaseSettings):
         description="Build models empty, then fill them (transformers 5 always does).",
     )
     max_memory_gb: float | None = Field(
-        None, gt=0, description="Cap on memory per device (each GPU and the CPU), in GiB."
+        None,
+        gt=0,
+        description="Memory budget per GPU shared by every model, in GiB: each gets what the "
+        "models before it left; one it cannot hold on the GPU is refused, never offloaded.",
     )
     hf_home: Path | None = Field(
         None, description="Hugging Face cache root (put it on an SSD); hub ids resolve here."
@@ -79,7 +82,9 @@ class Settings(BaseSettings):
     torch_num_threads: int | None = Field(
         None, ge=1, description="Intra-op threads for torch on CPU; unset uses every core."
     )
-    warmup: bool = Field(True, description="Run one batch at the largest shape after loading.")
+    warmup: bool = Field(
+        True, description="Run the largest batches the batcher can form after loading."
+    )
     merge_single_adapter: bool = Field(
         True, description="Merge a model's only adapter into full-precision weights."
     )

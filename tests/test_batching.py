@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -340,4 +341,62 @@ async def test_stats_report_each_batch(executor: ThreadPoolExecutor) -> None:
     await asyncio.gather(batcher.submit([[1, 1, 1]], ["a"], 5), batcher.submit([[2]], ["a"], 5))
     assert len(seen) == 1 and seen[0].rows == 2 and seen[0].tokens == 6  # 2 rows × 3, padded
     assert len(seen[0].queue_seconds) == 2 and seen[0].run_seconds >= 0
+    await batcher.stop()
+
+
+class _Activations:
+    """Stands for a forward's activations: held only by the frame of the call that failed."""
+
+
+async def test_out_of_memory_retry_runs_after_the_failed_batch_is_released(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # On a GPU the failed batch's activations are locals of its forward's frames, which the
+    # exception's traceback holds: the halves must run after that is all let go, and after
+    # the allocator's cache is emptied (the hook), or they meet the same wall.
+    events: list[tuple[str, int, bool]] = []
+    failed: list[weakref.ref[_Activations]] = []
+
+    def released() -> bool:
+        return bool(failed) and failed[0]() is None
+
+    def predict(rows: list[list[int]], adapters: list[str | None]) -> list[int]:
+        if len(rows) > 2:
+            activations = _Activations()
+            failed.append(weakref.ref(activations))
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        events.append(("run", len(rows), released()))
+        return [sum(ids) for ids in rows]
+
+    batcher: Batcher[int] = Batcher(
+        predict,
+        BatchLimits(max_batch_size=4, max_wait_seconds=30),
+        executor,
+        on_out_of_memory=lambda: events.append(("release", 0, released())),
+    )
+    batcher.start()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(batcher.submit([[i]], ["a"], 10) for i in range(4))), 5
+    )
+    assert results == [[0], [1], [2], [3]]
+    assert events == [("release", 0, True), ("run", 2, True), ("run", 2, True)]
+    await batcher.stop()
+
+
+async def test_a_failing_release_hook_does_not_stop_the_retry(executor: ThreadPoolExecutor) -> None:
+    def release() -> None:
+        raise RuntimeError("no allocator here")
+
+    fake = FakePredictor(oom_above=2)
+    batcher: Batcher[tuple[str | None, int]] = Batcher(
+        fake,
+        BatchLimits(max_batch_size=4, max_wait_seconds=30),
+        executor,
+        on_out_of_memory=release,
+    )
+    batcher.start()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(batcher.submit([[i]], ["a"], 10) for i in range(4))), 5
+    )
+    assert [r[0][1] for r in results] == [0, 1, 2, 3] and fake.sizes == [4, 2, 2]
     await batcher.stop()

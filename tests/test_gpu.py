@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from api.metrics import GpuMemoryCollector
-from api.models.loader import load_model
+from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
@@ -35,3 +35,13 @@ def test_gpu_memory_is_reported_per_device(tiny_llama: TinyModel) -> None:
     families = {family.name: family for family in GpuMemoryCollector().collect()}
     allocated = families["loraserve_gpu_memory_allocated_bytes"].samples
     assert allocated and allocated[0].labels == {"device": "0"} and allocated[0].value > 0
+
+
+def test_a_model_the_gpu_budget_cannot_hold_is_refused_not_offloaded(
+    tiny_llama: TinyModel,
+) -> None:
+    """Unquantized, so accelerate would put it on the CPU silently; the models before it
+    (`held`) have spent the whole budget on GPU 0."""
+    settings = make_settings(device="cuda", max_memory_gb=0.5)
+    with pytest.raises(LoadError, match=r"model 'tiny': MAX_MEMORY_GB: .* off the GPU"):
+        load_model(spec_for(tiny_llama), settings, held={0: 2**29})

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from api.models.loader import LoadError, load_model, max_memory_map
+from api.models.loader import LoadError, check_placement, load_model, max_memory_map
 from api.models.predictor import Predictor
+from api.models.registry import Registry
 from api.models.spec import AdapterSpec
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
@@ -194,10 +197,72 @@ def test_hub_id_resolves_from_hf_home_offline(tiny_bert: TinyModel, tmp_path: Pa
         load_model(spec_for(tiny_bert, base="acme/other"), settings)
 
 
-def test_max_memory_gb_becomes_a_per_device_cap() -> None:
-    settings = make_settings(max_memory_gb=14.5)
-    assert max_memory_map(settings, torch.device("cpu")) == {"cpu": "14.5GiB"}
-    assert max_memory_map(make_settings(), torch.device("cpu")) is None
+GIB = 1024**3
+
+
+def test_max_memory_gb_is_one_budget_per_device_that_later_models_share() -> None:
+    """The users' card: MAX_MEMORY_GB=16 for EXAONE in nf4, then KoELECTRA, on one GPU."""
+    assert max_memory_map(None, 1, {}) is None
+    # First: the whole budget, on the GPU and for what accelerate would put on the CPU.
+    assert max_memory_map(16, 1, {}) == {0: 16 * GIB, "cpu": 16 * GIB}
+    exaone = {0: 1_700_000_000}  # README's arithmetic: 4-bit layers and bf16 embeddings
+    assert max_memory_map(16, 1, exaone) == {0: 16 * GIB - 1_700_000_000, "cpu": 16 * GIB}
+    # A third model after both gets what both left; a budget spent gives nothing, not less.
+    both = {0: 1_700_000_000 + 30_000_000}
+    assert max_memory_map(16, 1, both) == {0: 16 * GIB - 1_730_000_000, "cpu": 16 * GIB}
+    assert max_memory_map(1, 1, exaone) == {0: 0, "cpu": GIB}
+    # Per device: what a model holds on GPU 0 leaves GPU 1's budget whole.
+    assert max_memory_map(14.5, 2, exaone) == {
+        0: int(14.5 * GIB) - 1_700_000_000,
+        1: int(14.5 * GIB),
+        "cpu": int(14.5 * GIB),
+    }
+
+
+def test_models_loaded_in_turn_are_given_what_the_earlier_ones_left(
+    tiny_bert: TinyModel, tiny_llama: TinyModel
+) -> None:
+    """The registry's turn-taking (how it loads on a GPU with MAX_MEMORY_GB), run on the CPU,
+    where the budget is measured and handed on the same way (accelerate uses it on GPUs)."""
+    specs = [spec_for(tiny_llama, name="first"), spec_for(tiny_bert, name="second")]
+    registry = Registry(specs, make_settings(max_memory_gb=1, warmup=False))
+    try:
+        registry._load_in_turn()
+        first, second = (registry.models[name].loaded for name in ("first", "second"))
+        assert first.device_bytes == {"cpu": first.weight_bytes} and first.weight_bytes > 0
+        assert first.max_memory == {"cpu": GIB}
+        assert second.max_memory == {"cpu": GIB - first.weight_bytes}
+        assert registry.held_bytes() == {"cpu": first.weight_bytes + second.weight_bytes}
+    finally:
+        registry.close()
+
+
+# What accelerate's device_map="auto" gives a 30-layer decoder on a GPU its budget cannot
+# hold: the last layers on the CPU, the head on the disk.
+OFFLOADED = {
+    "transformer.wte": 0,
+    **{f"transformer.h.{layer}": 0 for layer in range(27)},
+    **{f"transformer.h.{layer}": "cpu" for layer in range(27, 30)},
+    "transformer.ln_f": "cpu",
+    "lm_head": "disk",
+}
+
+
+def test_a_model_placed_partly_off_the_gpu_is_refused_naming_its_modules() -> None:
+    with pytest.raises(LoadError) as error:
+        check_placement("exaone", OFFLOADED, {0: 1_000_000_000, "cpu": 16 * GIB})
+    message = str(error.value)
+    assert message.startswith("model 'exaone': MAX_MEMORY_GB: 5 of its 33 modules")
+    assert "transformer.h.27 on cpu" in message and "lm_head on disk" in message
+    assert "GPU 0: 0.93 GiB" in message
+    with pytest.raises(
+        LoadError, match=r"1 of its 1 modules would run off the GPU \(\(all\) on cpu"
+    ):
+        check_placement("koelectra", {"": "cpu"}, {0: 0, "cpu": 16 * GIB})
+    # Wholly on GPUs (by index, as accelerate places them): served.
+    check_placement("exaone", dict.fromkeys(OFFLOADED, 0), None)
+    check_placement("exaone", {"": 0}, {0: 16 * GIB, "cpu": 16 * GIB})
+    check_placement("exaone", {"transformer": 0, "lm_head": 1}, None)
 
 
 def test_load_records_every_phase(tiny_bert: TinyModel) -> None:
@@ -297,3 +362,24 @@ def test_classifier_forwards_build_no_kv_cache(tiny_llama: TinyModel) -> None:
     output = loaded.model(input_ids=ids)
     assert getattr(output, "past_key_values", None) is None
     assert loaded.model.config.use_cache is False
+
+
+def test_release_memory_frees_what_only_a_reference_cycle_holds(tiny_bert: TinyModel) -> None:
+    """What the batcher calls before retrying the halves of an out-of-memory batch (on a GPU
+    it then empties the allocator's cache, which can only give back what is freed)."""
+    predictor = Predictor(load_model(spec_for(tiny_bert, adapters=("spam",)), make_settings()))
+
+    class Frame:  # stands for a failed forward's frame caught in a cycle with its exception
+        cycle: object = None
+
+    held = Frame()
+    held.cycle = held
+    alive = weakref.ref(held)
+    del held
+    gc.disable()  # the collector must not run by chance before release_memory does
+    try:
+        assert alive() is not None
+        predictor.release_memory()
+        assert alive() is None
+    finally:
+        gc.enable()

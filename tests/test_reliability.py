@@ -12,6 +12,7 @@ test_batching, test_loader and test_auth; rows fully shown there are not repeate
 - SIGTERM under load → drain, exit 0 in time: test_503_while_loading_then_sigterm_...,
   test_drain_time_bounds_the_shutdown
 - damaged checkpoints → start-up fails naming model, file, reason: test_damaged_checkpoint_...
+- a fatal device error → /ready 503, exit non-zero: test_a_fatal_device_error_...
 - cache faults → answered from the model, counted: test_disk_cache_faults_...
 
 "Not run" is read from the server's own accounting: `loraserve_batch_size_sum` counts every
@@ -44,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import SETTING_NAMES
 from tests.load_client import metric
 from tests.server_process import ServerProcess, run_server
-from tests.tiny_models import TinyModel, embedded_encoder_file, tiny_models_file
+from tests.tiny_models import TinyModel, embedded_encoder_file, faulty_bert, tiny_models_file
 
 # ~120 tokens each: a request of 32 of them keeps the embedded model busy for a while.
 LONG = "urgent call now to claim your free prize winner txt stop to end " * 8
@@ -483,6 +484,65 @@ def test_damaged_checkpoint_fails_start_up_naming_model_file_and_reason(
             ):
                 failures.append(f"{case.name}: exit {code}, said {said[-1:]}")
     assert not failures, "\n".join(failures)
+
+
+# --- a fatal device error ---
+
+
+def test_a_fatal_device_error_turns_ready_503_and_exits_non_zero(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    """A sticky CUDA error (a device-side assert, raised here by a test-only model code for
+    one text: a CPU cannot fail so) fails its batch, turns /ready 503 with the reason, refuses
+    new requests, and the process exits 3 once the requests in flight are done, for its
+    supervisor to restart it."""
+    faulty = faulty_bert(tiny_bert, tmp_path, "offer")
+    models = tiny_models_file(tmp_path, faulty, adapters=("spam",), trust_remote_code=True)
+    env = {
+        "MODELS_FILE": str(models),
+        "DISK_CACHE_MAX_BYTES": "0",
+        "LRU_CACHE_ENTRIES": "0",
+        "HF_HOME": str(tmp_path / "hf"),  # where transformers copies the model code
+        "DRAIN_SECONDS": "60",  # the exit below must come from the drain's end, not its limit
+    }
+    with run_server(env, tmp_path) as server:
+        server.wait_ready()
+        url = server.url
+
+        def predict(text: str) -> httpx.Response:
+            return httpx.post(f"{url}/predict", json={"inputs": text}, timeout=10)
+
+        assert predict("win a free prize").status_code == 200
+        parts = urlsplit(url)
+        # A request in flight (its body not all sent) holds the drain open, so that what the
+        # service says between the error and its exit can be read.
+        with socket.create_connection((parts.hostname, parts.port), timeout=10) as held:
+            held.sendall(CHUNKED_HEAD.replace("\n", "\r\n").encode() + b'\r\n5\r\n{"inp\r\n')
+            wait_for(
+                lambda: metric(url, "loraserve_requests_in_flight") >= 2,  # it and /metrics
+                10,
+                "the held request in flight",
+            )
+            failed = predict("offer offer offer now")
+            time.sleep(0.5)  # uvicorn would have closed its port by now, had it not drained
+            ready = httpx.get(f"{url}/ready", timeout=5)
+            refused = predict("win a free prize")
+            assert server.process.poll() is None, "gone before the request in flight ended"
+        released = time.monotonic()
+        code = server.process.wait(timeout=30)
+        exited_after = time.monotonic() - released
+        log = server.log()
+    assert failed.status_code == 503, failed.text
+    assert failed.json()["error"]["code"] == "inference_failed"
+    assert "device-side assert" in failed.json()["error"]["message"]
+    body = ready.json()
+    assert ready.status_code == 503 and ready.headers["Retry-After"]
+    assert body["status"] == "failed"
+    assert "model 'tiny'" in body["error"] and "device-side assert" in body["error"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+    assert code == 3, log
+    assert exited_after < 10, f"exited {exited_after:.1f} s after the last request ended"
+    assert "stopped by a fatal device error: model 'tiny'" in log
 
 
 # --- cache faults ---

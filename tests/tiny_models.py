@@ -4,6 +4,7 @@ encoder classifiers with their heads), on disk."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,3 +257,47 @@ def embedded_encoder_file(folder: Path) -> Path:
     for adapter in encoder["adapters"]:
         adapter["path"] = str(EMBEDDED_MODELS_FILE.parent / adapter["path"])
     return write_models_file(folder / "encoder.yaml", [encoder])
+
+
+# The model code of `faulty_bert`: a real BERT classifier whose forward fails as a CUDA
+# kernel's device-side assert does, for one input only (a CPU cannot fail so).
+FAULTY_MODELING = '''
+"""A BERT classifier that fails like a CUDA device-side assert on one input: for tests."""
+
+import torch
+from transformers import BertForSequenceClassification
+
+TRIGGER_ID = {trigger_id}
+
+
+def _triggered(input_ids: torch.Tensor) -> bool:
+    """Three trigger tokens in a row (no warm-up or probe batch has any two)."""
+    hits = (input_ids == TRIGGER_ID).int()
+    return hits.shape[-1] >= 3 and bool((hits[..., :-2] * hits[..., 1:-1] * hits[..., 2:]).any())
+
+
+class FaultyBertForSequenceClassification(BertForSequenceClassification):
+    def forward(self, input_ids=None, **kwargs):
+        if input_ids is not None and _triggered(input_ids):
+            raise RuntimeError(
+                "CUDA error: device-side assert triggered\\n"
+                "CUDA kernel errors might be asynchronously reported at some other API call"
+            )
+        return super().forward(input_ids=input_ids, **kwargs)
+'''
+
+
+def faulty_bert(tiny: TinyModel, folder: Path, trigger_word: str) -> TinyModel:
+    """A copy of the tiny BERT whose model code (trust_remote_code) raises a CUDA device
+    assert for texts holding `trigger_word` three times in a row; its adapters as they are."""
+    base = folder / "faulty-bert"
+    shutil.copytree(tiny.base, base)
+    trigger_id = PreTrainedTokenizerFast.from_pretrained(base).convert_tokens_to_ids(trigger_word)
+    modeling = FAULTY_MODELING.replace("{trigger_id}", str(trigger_id))
+    (base / "modeling_faulty.py").write_text(modeling, encoding="utf-8")
+    config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    config["auto_map"] = {
+        "AutoModelForSequenceClassification": "modeling_faulty.FaultyBertForSequenceClassification"
+    }
+    (base / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return TinyModel(base=base, adapters=tiny.adapters)

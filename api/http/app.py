@@ -18,6 +18,7 @@ from api.http.middleware.observe import RequestMetrics
 from api.http.routes import router
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
+from api.models.faults import is_fatal_device_error
 from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
 from api.models.spec import ModelSpec, load_models_file
@@ -33,6 +34,11 @@ logger = logging.getLogger(__name__)
 FatalHandler = Callable[[BaseException], None]
 
 
+class DeviceFailed(RuntimeError):
+    """A forward pass failed in a way that leaves its device unusable (a CUDA device-side
+    assert, an illegal memory access): every later batch would fail; a new process recovers."""
+
+
 def create_app(
     settings: Settings,
     specs: list[ModelSpec] | None = None,
@@ -40,14 +46,15 @@ def create_app(
 ) -> FastAPI:
     """Builds the app; models load in the background once it starts (see /ready).
 
-    `on_fatal` is called when a model fails to load; the CLI uses it to stop the server
-    with a non-zero exit.
+    `on_fatal` is called, on the event loop, when a model fails to load, or with a
+    DeviceFailed when a forward pass leaves its device unusable (the service is then failed:
+    /ready 503); the CLI uses it to stop the server with a non-zero exit.
     """
     if specs is None:
         specs = load_models_file(settings.models_file, settings.adapter_dirs)
     cascade = cascade_models(settings, specs)
     metrics = Metrics(settings.latency_target_seconds)
-    registry = Registry(specs, settings, warmup_rows=settings.max_batch_size)
+    registry = Registry(specs, settings)
     state = ServiceState(settings=settings, registry=registry, metrics=metrics)
 
     @asynccontextmanager
@@ -96,7 +103,12 @@ async def _load(
 ) -> None:
     try:
         await asyncio.to_thread(state.registry.load_all)
-        _start_runners(state)
+        loop = asyncio.get_running_loop()
+
+        def device_failed(reason: str) -> None:  # called on a device thread
+            loop.call_soon_threadsafe(_fail_device, state, on_fatal, reason)
+
+        _start_runners(state, device_failed)
         if cascade is not None:
             first, second = (state.runners[name] for name in cascade)
             threshold = state.settings.cascade_threshold
@@ -113,7 +125,18 @@ async def _load(
         logger.info("ready: %s", ", ".join(state.registry.models))
 
 
-def _start_runners(state: ServiceState) -> None:
+def _fail_device(state: ServiceState, on_fatal: FatalHandler | None, reason: str) -> None:
+    """The service after a fatal device error: failed, not ready, and told to stop."""
+    if state.phase is Phase.FAILED:
+        return
+    state.phase, state.error = Phase.FAILED, reason
+    state.metrics.ready.set(0)
+    logger.critical("fatal device error, the service stops: %s", reason)
+    if on_fatal is not None:
+        on_fatal(DeviceFailed(reason))
+
+
+def _start_runners(state: ServiceState, on_device_failed: Callable[[str], None]) -> None:
     slots: dict[str, asyncio.Semaphore] = {}
     for served in state.registry.in_order():
         # One thread and one slot per device: one batch at a time on each device.
@@ -125,7 +148,7 @@ def _start_runners(state: ServiceState) -> None:
             state.settings.max_batch_size,
             on_refuse=refused.inc,
         )
-        batcher = _batcher(state, served, executor, slot, admission)
+        batcher = _batcher(state, served, executor, slot, admission, on_device_failed)
         state.runners[served.name] = ModelRunner(served, batcher, admission)
         _report_model(state.metrics, served)
 
@@ -136,6 +159,7 @@ def _batcher(
     executor: ThreadPoolExecutor,
     slot: asyncio.Semaphore,
     admission: Admission,
+    on_device_failed: Callable[[str], None],
 ) -> Batcher[Scores]:
     settings, metrics, name = state.settings, state.metrics, served.name
 
@@ -159,7 +183,14 @@ def _batcher(
     def predict_batch(
         rows: list[list[int]], adapters: list[str | None]
     ) -> list[Scores | NonFiniteScores]:
-        results = served.predictor.forward(rows, adapters)
+        try:
+            results = served.predictor.forward(rows, adapters)
+        except Exception as exc:
+            # Its batch fails as any other; the device, though, is lost for every later one.
+            if is_fatal_device_error(exc):
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                on_device_failed(f"model {name!r}: {first_line}")
+            raise
         failed = sum(isinstance(result, NonFiniteScores) for result in results)
         if failed:
             metrics.non_finite_rows.labels(name).inc(failed)
@@ -172,6 +203,7 @@ def _batcher(
         device_slot=slot,
         on_batch=on_batch,
         on_drop=lambda reason: metrics.batch_dropped.labels(name, reason).inc(),
+        on_out_of_memory=served.predictor.release_memory,
     )
     metrics.queue_depth.labels(name).set_function(lambda: batcher.queued_rows)
     batcher.start()

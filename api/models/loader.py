@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,7 @@ from api.settings import Settings
 logger = logging.getLogger(__name__)
 
 PHASES = ("resolve", "weights", "quantize", "adapters", "warmup")
+GIB = 1024**3
 
 
 class LoadError(Exception):
@@ -72,6 +73,9 @@ class LoadedModel:
     label_token_ids: list[int] | None = None
     # Every loading choice that changes the numbers a text gets (part of its answer identity).
     numerics: dict[str, object] = field(default_factory=dict)
+    # Bytes of weights by device (a GPU's index, "cpu"), and the max_memory its load was given.
+    device_bytes: dict[int | str, int] = field(default_factory=dict)
+    max_memory: dict[int | str, int] | None = None
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     @property
@@ -104,15 +108,50 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cpu")
 
 
-def max_memory_map(settings: Settings, device: torch.device) -> dict[int | str, str] | None:
-    """`MAX_MEMORY_GB` as accelerate's per-device map (each GPU and the CPU)."""
-    if settings.max_memory_gb is None:
+def max_memory_map(
+    budget_gb: float | None, gpus: int, held: Mapping[int | str, int] | None = None
+) -> dict[int | str, int] | None:
+    """`MAX_MEMORY_GB` as accelerate's `max_memory`, in bytes: one budget per device shared by
+    every model, so on each of `gpus` GPUs and on the CPU what it leaves after the bytes the
+    models loaded before hold there (`held`, keyed as accelerate keys devices: a GPU's index,
+    "cpu"); None without a budget."""
+    if budget_gb is None:
         return None
-    cap = f"{settings.max_memory_gb}GiB"
-    gpus: dict[int | str, str] = {}
-    if device.type == "cuda":
-        gpus = dict.fromkeys(range(torch.cuda.device_count()), cap)
-    return {**gpus, "cpu": cap}
+    budget, held = int(budget_gb * GIB), held or {}
+    devices: list[int | str] = [*range(gpus), "cpu"]
+    return {device: max(0, budget - held.get(device, 0)) for device in devices}
+
+
+def check_placement(
+    model: str, device_map: Mapping[str, object], max_memory: Mapping[int | str, int] | None
+) -> None:
+    """Refuses a model declared for the GPU that accelerate placed, wholly or in part, on the
+    CPU or the disk (`hf_device_map`): it would serve, silently, many times slower."""
+    off = [(module, str(where)) for module, where in device_map.items() if _off_gpu(where)]
+    if not off:
+        return
+    named = ", ".join(f"{module or '(all)'} on {where}" for module, where in off[:5])
+    more = f" and {len(off) - 5} more" if len(off) > 5 else ""
+    left = ", ".join(
+        f"GPU {device}: {available / GIB:.2f} GiB"
+        for device, available in (max_memory or {}).items()
+        if isinstance(device, int)
+    )
+    raise LoadError(
+        model,
+        "MAX_MEMORY_GB",
+        f"{len(off)} of its {len(device_map)} modules would run off the GPU ({named}{more}); "
+        f"the budget left it {left or 'no GPU'} after the models loaded before it: "
+        "raise MAX_MEMORY_GB or load a smaller (quantized) model",
+    )
+
+
+def _off_gpu(where: object) -> bool:
+    """accelerate places a module by GPU index, "cpu" or "disk" (or a device)."""
+    if isinstance(where, int):
+        return False
+    name = str(where)
+    return name in ("cpu", "disk", "meta") or name.startswith("cpu:")
 
 
 def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | None]:
@@ -182,10 +221,17 @@ def exaone_as_llama(
     return converted, adapters
 
 
-def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
-    """Loads a declared model, its quantization and adapters; every failure is a LoadError."""
+def load_model(
+    spec: ModelSpec, settings: Settings, held: Mapping[int | str, int] | None = None
+) -> LoadedModel:
+    """Loads a declared model, its quantization and adapters; every failure is a LoadError.
+
+    `held`: bytes the models loaded before it hold by device, taken from `MAX_MEMORY_GB`.
+    """
     phases = dict.fromkeys(PHASES, 0.0)
     device = pick_device(settings.device)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    max_memory = max_memory_map(settings.max_memory_gb, gpus, held)
     try:
         check_supported(spec, device, len(spec.adapters))
         quant_config = bitsandbytes_config(spec, device)
@@ -210,7 +256,7 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
     dtype = torch_dtype(spec.dtype, device)
     with timed(phases, "weights"):
         model, missing_keys = _load_base(
-            spec, settings, folder, config, dtype, quant_config, device
+            spec, settings, folder, config, dtype, quant_config, device, max_memory
         )
     _fit_pad_token(model, tokenizer)
     architecture = type(model).__name__
@@ -298,6 +344,8 @@ def load_model(spec: ModelSpec, settings: Settings) -> LoadedModel:
         adapter_digests=adapter_digests,
         dtype=str(dtype).removeprefix("torch."),
         weight_bytes=module_bytes(model),
+        device_bytes=device_bytes(model),
+        max_memory=max_memory,
         revision=revision,
         merged=merged,
         prompt=prompt,
@@ -341,8 +389,8 @@ def _load_base(
     dtype: torch.dtype,
     quant_config: Any,
     device: torch.device,
+    memory: dict[int | str, int] | None,
 ) -> tuple[torch.nn.Module, list[str]]:
-    memory = max_memory_map(settings, device)
     kwargs: dict[str, Any] = {
         "config": config,
         "dtype": dtype,
@@ -369,6 +417,14 @@ def _load_base(
         raise LoadError(spec.name, folder, f"cannot load weights: {_one_line(exc)}") from None
     if info.get("mismatched_keys"):
         raise LoadError(spec.name, folder, f"weights of the wrong shape: {info['mismatched_keys']}")
+    if device.type == "cuda":
+        check_placement(spec.name, getattr(model, "hf_device_map", None) or {}, memory)
+    if memory is not None and device.type == "cuda":  # on the CPU device_map is explicit
+        logger.info(
+            "model %s: MAX_MEMORY_GB left it %s",
+            spec.name,
+            ", ".join(f"{where}: {left / GIB:.2f} GiB" for where, left in memory.items()),
+        )
     return model, sorted(info.get("missing_keys", []))
 
 
@@ -401,14 +457,30 @@ def _fit_pad_token(model: torch.nn.Module, tokenizer: Any) -> None:
 
 def module_bytes(model: torch.nn.Module) -> int:
     """Bytes held by parameters and buffers (quantized weights counted as stored)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(b.numel() * b.element_size() for b in model.buffers())
-    for module in model.modules():  # dynamic-int8 keeps packed weights outside parameters
+    return sum(size for _, size in _stored(model))
+
+
+def device_bytes(model: torch.nn.Module) -> dict[int | str, int]:
+    """`module_bytes` by device, keyed as accelerate's max_memory (a GPU's index, "cpu");
+    weights offloaded to the disk (on the meta device) hold no memory."""
+    held: dict[int | str, int] = {}
+    for device, size in _stored(model):
+        if device.type in ("cuda", "cpu"):
+            key: int | str = (device.index or 0) if device.type == "cuda" else "cpu"
+            held[key] = held.get(key, 0) + size
+    return held
+
+
+def _stored(model: torch.nn.Module) -> Iterator[tuple[torch.device, int]]:
+    """Each stored tensor's device and bytes: parameters, buffers, and the packed weights
+    that dynamic int8 keeps outside parameters."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        yield tensor.device, tensor.numel() * tensor.element_size()
+    for module in model.modules():
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            weight, bias = module.weight(), module.bias()
-            total += weight.numel() * weight.element_size()
-            total += 0 if bias is None else bias.numel() * bias.element_size()
-    return total
+            for packed in (module.weight(), module.bias()):
+                if packed is not None:
+                    yield packed.device, packed.numel() * packed.element_size()
 
 
 def _one_line(exc: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -12,6 +13,7 @@ import torch
 
 from api.models.loader import LoadedModel
 from api.models.packing import PackedRunner, PackingUnsupported, tolerance
+from api.models.warmup import warmup_batches
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,17 @@ class Predictor:
         alone = torch.cat([self._logits([row], adapters[:1]).float() for row in probe])
         return float((together - alone).abs().max().item())
 
+    def release_memory(self) -> None:
+        """After an out-of-memory batch and before its halves run: frees what the failed
+        forward left and, on a GPU, hands the allocator's cached blocks back, so the halves
+        start from the weights alone. Run it on the thread that serves."""
+        # The failed forward's frames, with their activations, may sit in reference cycles
+        # (an exception's context holding another's traceback) that refcounts never free.
+        gc.collect()
+        if self.loaded.device.type == "cuda":
+            with torch.cuda.device(self.loaded.device):
+                torch.cuda.empty_cache()
+
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """On GPU, copies from pinned host memory without blocking the CPU thread."""
         if self.loaded.device.type != "cuda":
@@ -197,11 +210,22 @@ class Predictor:
         rows = self.encode(texts, truncate)
         return self.forward(rows, [adapter or self._default_adapter] * len(rows))
 
-    def warm_up(self, rows: int) -> None:
-        """One forward at the largest shape served, so the first request pays no set-up."""
+    def warm_up(self, max_batch_size: int, max_batch_tokens: int) -> None:
+        """Forwards at the largest shapes the batcher can form with these limits (see
+        api.models.warmup), per adapter, so that the first request pays no set-up and
+        start-up meets serving's memory peak, not more."""
+        batches = warmup_batches(
+            self.max_length,
+            max_batch_size,
+            max_batch_tokens,
+            self.packs_batches,
+            self.pad_to_multiple_of,
+        )
         adapters: list[str | None] = [*self.loaded.adapters] or [None]
         for adapter in adapters:
-            self.forward(self._filler(rows, self.max_length), [adapter] * rows)
+            for lengths in batches:
+                rows = [row for length in lengths for row in self._filler(1, length)]
+                self.forward(rows, [adapter] * len(rows))
 
     def overhead_tokens(self, repeats: int = 5) -> float | None:
         """What one forward costs beyond its tokens, in tokens; None if cost does not grow.

@@ -67,11 +67,11 @@ class ServedModel:
 
 @dataclass
 class Registry:
-    """Loads every declared model (in parallel) and hands them out by name."""
+    """Loads every declared model (in parallel, or in turn where they share a GPU budget) and
+    hands them out by name."""
 
     specs: list[ModelSpec]
     settings: Settings
-    warmup_rows: int = 1
     progress: dict[str, Progress] = field(init=False)
     models: dict[str, ServedModel] = field(init=False, default_factory=dict)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
@@ -109,15 +109,19 @@ class Registry:
             thread.shutdown(wait=True)
 
     def load_all(self) -> None:
-        """Loads and warms every model; the first failure is raised once all have stopped."""
+        """Loads and warms every model; the first failure is raised (loaded in parallel, once
+        all have stopped)."""
         if self.settings.torch_num_threads is not None:
             torch.set_num_threads(self.settings.torch_num_threads)
-        with ThreadPoolExecutor(max_workers=max(1, len(self.specs))) as pool:
-            futures = [pool.submit(self._load_one, spec) for spec in self.specs]
-            errors = [future.exception() for future in futures]
-        for error in errors:
-            if error is not None:
-                raise error
+        if self._shares_a_gpu_budget():
+            self._load_in_turn()
+        else:
+            with ThreadPoolExecutor(max_workers=max(1, len(self.specs))) as pool:
+                futures = [pool.submit(self._load_one, spec) for spec in self.specs]
+                errors = [future.exception() for future in futures]
+            for error in errors:
+                if error is not None:
+                    raise error
         # Timed once every model is in, one at a time: a load beside it would skew it.
         if self.settings.warmup and self.settings.batch_overhead_tokens is None:
             for served in self.in_order():
@@ -128,11 +132,33 @@ class Registry:
                     device = self.device_thread(served.loaded.device)
                     served.overhead_tokens = device.submit(measure).result()
 
-    def _load_one(self, spec: ModelSpec) -> None:
+    def _shares_a_gpu_budget(self) -> bool:
+        """MAX_MEMORY_GB is one budget per GPU, which the models' loads must share."""
+        on_gpu = self.settings.device != "cpu" and torch.cuda.is_available()
+        return on_gpu and self.settings.max_memory_gb is not None
+
+    def _load_in_turn(self) -> None:
+        """One model at a time, in declaration order: each is given what the budget leaves
+        after the bytes the models before it hold, measured once they are in. Loaded side by
+        side, two models would each be given the whole budget; reserving by an estimate
+        instead would guess (a 4-bit model's bytes are not its files' bytes)."""
+        for spec in self.specs:
+            self._load_one(spec, self.held_bytes())
+
+    def held_bytes(self) -> dict[int | str, int]:
+        """Bytes of weights the models loaded so far hold, by device (see max_memory_map)."""
+        held: dict[int | str, int] = {}
+        with self._lock:
+            for served in self.models.values():
+                for device, size in served.loaded.device_bytes.items():
+                    held[device] = held.get(device, 0) + size
+        return held
+
+    def _load_one(self, spec: ModelSpec, held: dict[int | str, int] | None = None) -> None:
         progress = self.progress[spec.name]
         progress.state, progress.started = "loading", time.perf_counter()
         try:
-            loaded = load_model(spec, self.settings)
+            loaded = load_model(spec, self.settings, held)
             predictor = Predictor(loaded, self.settings.pad_to_multiple_of)
             device = self.device_thread(loaded.device)
             if self.settings.pack_batches and not self.settings.torch_compile:
@@ -141,7 +167,8 @@ class Registry:
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
-                    device.submit(predictor.warm_up, self.warmup_rows).result()
+                    limits = self.settings.max_batch_size, self.settings.max_batch_tokens
+                    device.submit(predictor.warm_up, *limits).result()
             with timed(loaded.phases, "warmup"):
                 variance = device.submit(predictor.batch_variance).result()
         except BaseException:

@@ -109,6 +109,10 @@ class Batcher(Generic[Result]):
     how it is tested with a fake. Every batch runs in `executor`; batchers sharing a device
     share `device_slot`, so one batch at a time runs on each device. While a batch runs, new
     requests queue up and form the next batch, which grows with the load.
+
+    A batch that runs out of memory is halved and retried; `on_out_of_memory` runs in
+    `executor` before the retry, once the failed batch is let go (on a GPU: emptying the
+    allocator's cache).
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class Batcher(Generic[Result]):
         is_out_of_memory: Callable[[BaseException], bool] | None = None,
         on_batch: Observer | None = None,
         on_drop: Callable[[str], None] | None = None,
+        on_out_of_memory: Callable[[], None] | None = None,
     ) -> None:
         self._predict = predict_batch
         self.limits = limits
@@ -128,6 +133,7 @@ class Batcher(Generic[Result]):
         self._is_oom = is_out_of_memory or _looks_like_oom
         self._on_batch = on_batch
         self._on_drop = on_drop
+        self._on_oom = on_out_of_memory
         self._pending: list[_Row[Result]] = []
         self._queued_tokens = 0
         self._inflight: dict[Hashable, _Row[Result]] = {}
@@ -336,24 +342,24 @@ class Batcher(Generic[Result]):
             if len(results) != len(rows):
                 raise BatchFailed(f"predictor returned {len(results)} results for {len(rows)}")
         except Exception as exc:
-            if self._is_oom(exc) and len(rows) > 1:
-                logger.warning("out of memory on a batch of %d; splitting it", len(rows))
-                half = len(rows) // 2
-                await self._run_rows(rows[:half])
-                await self._run_rows(rows[half:])
+            if not (self._is_oom(exc) and len(rows) > 1):
+                _fail(rows, str(exc) or type(exc).__name__)
                 return
-            logger.error("batch of %d failed: %s", len(rows), exc)
-            for row in rows:
-                if not row.future.done():
-                    row.future.set_exception(BatchFailed(str(exc) or type(exc).__name__))
+            logger.warning("out of memory on a batch of %d; splitting it", len(rows))
+        else:
+            _deliver(rows, results)
             return
-        for row, result in zip(rows, results, strict=True):
-            if row.future.done():
-                continue
-            if isinstance(result, BaseException):
-                row.future.set_exception(result)
-            else:
-                row.future.set_result(result)
+        # Retried only here, outside the `except` block: inside it the exception is alive, and
+        # its traceback holds the frames of the failed forward with their activations, so the
+        # halves would run beside the memory that the whole batch could not fit in.
+        if self._on_oom is not None:
+            try:
+                await loop.run_in_executor(self._executor, self._on_oom)
+            except Exception as hook_error:  # the retry may still fit; never lose the rows
+                logger.warning("releasing memory after out-of-memory failed: %s", hook_error)
+        half = len(rows) // 2
+        await self._run_rows(rows[:half])
+        await self._run_rows(rows[half:])
 
 
 def cheapest_group_of(
@@ -381,6 +387,25 @@ def cheapest_group_of(
     while cut[end] > index:
         end = cut[end]
     return cut[end], end
+
+
+def _deliver(rows: list[_Row[Result]], results: Sequence[Result | BaseException]) -> None:
+    """Each row's result, or the exception that fails that row alone."""
+    for row, result in zip(rows, results, strict=True):
+        if row.future.done():
+            continue
+        if isinstance(result, BaseException):
+            row.future.set_exception(result)
+        else:
+            row.future.set_result(result)
+
+
+def _fail(rows: list[_Row[Result]], reason: str) -> None:
+    """Fails every row of a batch with the reason (a string: no traceback kept alive)."""
+    logger.error("batch of %d failed: %s", len(rows), reason)
+    for row in rows:
+        if not row.future.done():
+            row.future.set_exception(BatchFailed(reason))
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
