@@ -183,6 +183,11 @@ class Settings(BaseSettings):
         description="Texts whose top probability from the first model is below this go on.",
     )
 
+    admission_control: bool = Field(
+        True,
+        description="Refuse (429) a request expected to finish past LATENCY_TARGET_SECONDS or "
+        "its deadline; false queues it (up to MAX_QUEUE_SIZE) whatever the wait.",
+    )
     latency_target_seconds: float = Field(
         2.0,
         gt=0,

@@ -84,3 +84,10 @@ def test_overload_keeps_the_200s_under_the_target_at_full_throughput(tmp_path: P
     assert overload.percentile_ms(0.99) < P99_LIMIT_SECONDS * 1000, figures
     assert overload_rate >= 0.9 * saturated_rate, figures
     assert refused > 0, figures
+
+
+def test_admission_control_can_be_turned_off() -> None:
+    admission = Admission(target_seconds=0.5, max_batch_size=32, enabled=False)
+    for _ in range(5):
+        admission.cost.observe(1000, 0.1)
+    admission.check(10_000, 10**6, 1, 1000, seconds_left=0.01)  # queued, whatever the wait

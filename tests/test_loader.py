@@ -383,3 +383,23 @@ def test_release_memory_frees_what_only_a_reference_cycle_holds(tiny_bert: TinyM
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_models_loaded_in_parallel_leave_torch_init_as_it_was(
+    tiny_bert: TinyModel, tiny_llama: TinyModel
+) -> None:
+    # transformers swaps torch.nn.init for no-ops while it builds a model; two builds at once
+    # once left the no-ops in place, and later models came out of uninitialised memory.
+    originals = {name: getattr(torch.nn.init, name) for name in ("normal_", "kaiming_uniform_")}
+    specs = [
+        spec_for(tiny, name=f"m{index}", adapters=("spam",))
+        for index, tiny in enumerate([tiny_bert, tiny_llama, tiny_bert, tiny_llama])
+    ]
+    for _ in range(3):
+        registry = Registry(specs, make_settings(warmup=False))
+        registry.load_all()
+        registry.close()
+        for name, function in originals.items():
+            assert getattr(torch.nn.init, name) is function, name
+    fresh = torch.nn.Linear(64, 64)  # initialised, not left as whatever memory held
+    assert fresh.weight.abs().max().item() <= 1 / 8 + 1e-6 and fresh.weight.std().item() > 0

@@ -141,8 +141,11 @@ def chunked(body: bytes, size: int) -> Iterator[bytes]:
 
 @pytest.fixture
 def embedded(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    """The embedded encoder (big enough to keep busy), caches off, ready."""
+    """The embedded encoder (big enough to keep busy), caches off, ready. Admission by time
+    is off: these tests queue more work than the latency target allows, on purpose, to see
+    what queued requests meet (deadlines, disconnects, a full queue)."""
     env = {
+        "ADMISSION_CONTROL": "false",
         "MODELS_FILE": str(embedded_encoder_file(tmp_path)),
         "DISK_CACHE_MAX_BYTES": "0",
         "LRU_CACHE_ENTRIES": "0",
@@ -339,6 +342,7 @@ def test_503_while_loading_then_sigterm_under_load_drains_and_exits_0(tmp_path: 
     """The whole life: loading (503), ready, SIGTERM under load (503 at once, accepted
     requests finish, new ones refused), exit 0 within DRAIN_SECONDS, port closed."""
     env = {
+        "ADMISSION_CONTROL": "false",  # every request under load is queued, then drained
         "DISK_CACHE_MAX_BYTES": "0",
         "LRU_CACHE_ENTRIES": "0",
         "DRAIN_SECONDS": "20",

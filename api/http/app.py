@@ -147,6 +147,7 @@ def _start_runners(state: ServiceState, on_device_failed: Callable[[str], None])
             state.settings.latency_target_seconds,
             state.settings.max_batch_size,
             on_refuse=refused.inc,
+            enabled=state.settings.admission_control,
         )
         batcher = _batcher(state, served, executor, slot, admission, on_device_failed)
         state.runners[served.name] = ModelRunner(served, batcher, admission)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -35,6 +36,14 @@ from api.models.spec import AdapterSpec, ModelSpec
 from api.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+# transformers builds a model with `torch.nn.init` (and its own `init_weights`) swapped for
+# no-ops, and puts the originals back on the way out: global state, not thread-safe. Two
+# models built at once (the registry loads them in parallel) can leave the no-ops in place
+# for good, and every model or adapter built after that keeps uninitialised memory wherever
+# a checkpoint does not fill it (seen here: NaN logits). So one model is built at a time;
+# reading files, quantizing and warming up still overlap.
+_BUILD_LOCK = threading.Lock()
 
 PHASES = ("resolve", "weights", "quantize", "adapters", "warmup")
 GIB = 1024**3
@@ -254,7 +263,7 @@ def load_model(
         tokenizer = _read_tokenizer(spec, folder)
 
     dtype = torch_dtype(spec.dtype, device)
-    with timed(phases, "weights"):
+    with _BUILD_LOCK, timed(phases, "weights"):
         model, missing_keys = _load_base(
             spec, settings, folder, config, dtype, quant_config, device, max_memory
         )
@@ -273,7 +282,7 @@ def load_model(
 
     adapter_digests: dict[str, AdapterDigests] = {}
     if spec.adapters:
-        with timed(phases, "adapters"):
+        with _BUILD_LOCK, timed(phases, "adapters"):
             try:
                 model, adapter_digests = attach_adapters(model, adapters, missing_keys)
             except AdapterError as exc:

@@ -81,12 +81,15 @@ class Admission:
     max_batch_size: int
     cost: CostEstimate = field(default_factory=CostEstimate)
     on_refuse: Callable[[], None] | None = None  # for metrics
+    enabled: bool = True  # off: every request is queued (up to the queue's bound)
 
     def check(
         self, queued_rows: int, queued_tokens: int, rows: int, tokens: int, seconds_left: float
     ) -> None:
         """Raises NotAdmitted when `rows` of `tokens` tokens, queued behind `queued_rows` rows
         of `queued_tokens` tokens, would finish past `seconds_left` or the target."""
+        if not self.enabled:
+            return
         all_rows = queued_rows + rows
         batches = math.ceil(all_rows / self.max_batch_size) + 1  # +1: the one running now
         expected = self.cost.seconds(queued_tokens + tokens, batches)
