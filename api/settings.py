@@ -47,7 +47,12 @@ class Settings(BaseSettings):
     """Every knob of the service; each one is also listed in `.env.example`."""
 
     model_config = SettingsConfigDict(
-        env_file=".env", env_file_encoding="utf-8", extra="ignore", case_sensitive=False
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        case_sensitive=False,
+        # `NAME=` with nothing after it means unset, as in the shells and loaders people use.
+        env_ignore_empty=True,
     )
 
     # --- models and loading ---
@@ -67,6 +72,11 @@ class Settings(BaseSettings):
     )
     hf_home: Path | None = Field(
         None, description="Hugging Face cache root (put it on an SSD); hub ids resolve here."
+    )
+    transformers_cache: Path | None = Field(
+        None,
+        description="Deprecated by transformers for HF_HOME: the hub cache folder itself; "
+        "honoured before HF_HOME/hub, with a warning at start.",
     )
     model_cache_dir: Path | None = Field(
         None,
@@ -194,6 +204,15 @@ class Settings(BaseSettings):
         description="Response-time target: a request expected to finish past it gets 429 "
         "(admission by time); requests over it are counted.",
     )
+
+    @property
+    def hub_cache(self) -> Path | None:
+        """Where hub ids resolve: TRANSFORMERS_CACHE, else HF_HOME/hub, else the library's."""
+        if self.transformers_cache is not None:
+            return self.transformers_cache.expanduser()
+        if self.hf_home is not None:
+            return self.hf_home.expanduser() / "hub"
+        return None
 
     @property
     def model_cache_folder(self) -> Path:

@@ -50,6 +50,12 @@ def create_app(
     DeviceFailed when a forward pass leaves its device unusable (the service is then failed:
     /ready 503); the CLI uses it to stop the server with a non-zero exit.
     """
+    if settings.transformers_cache is not None:
+        logger.warning(
+            "TRANSFORMERS_CACHE is deprecated (transformers reads HF_HOME, whose hub/ folder "
+            "is the cache); honoured here: hub ids resolve from %s",
+            settings.transformers_cache,
+        )
     if specs is None:
         specs = load_models_file(settings.models_file, settings.adapter_dirs)
     cascade = cascade_models(settings, specs)

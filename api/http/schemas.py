@@ -197,6 +197,8 @@ class InfoResponse(BaseModel):
         None, description="TEI: {'classifier': {id2label, label2id}} of the first model."
     )
     max_input_length: int | None = Field(None, description="TEI: the first model's max tokens.")
+    low_cpu_mem_usage: bool = Field(description="LOW_CPU_MEM_USAGE as set.")
+    low_cpu_mem_usage_effect: str = Field(description="What it does with this transformers.")
     max_batch_tokens: int
     max_batch_requests: int
     max_client_batch_size: int

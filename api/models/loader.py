@@ -18,6 +18,9 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
 )
+from transformers import (
+    __version__ as transformers_version,
+)
 
 from api.models.adapters import AdapterDigests, AdapterError, attach_adapters
 from api.models.causal_lm import LabelWordsError, Prompt, first_token_ids
@@ -175,7 +178,7 @@ def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | Non
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cache_dir = str(settings.hf_home / "hub") if settings.hf_home else None
+    cache_dir = str(settings.hub_cache) if settings.hub_cache else None
     try:
         folder = snapshot_download(
             spec.base,
@@ -490,6 +493,18 @@ def _stored(model: torch.nn.Module) -> Iterator[tuple[torch.device, int]]:
             for packed in (module.weight(), module.bias()):
                 if packed is not None:
                     yield packed.device, packed.numel() * packed.element_size()
+
+
+def low_cpu_mem_usage_effect() -> str:
+    """What LOW_CPU_MEM_USAGE does with the installed transformers."""
+    version = transformers_version
+    if int(version.split(".")[0]) >= 5:
+        return (
+            f"none: transformers {version} always builds a model empty and fills it from "
+            "the checkpoint, so loading never holds two copies; the setting is passed on "
+            "and ignored"
+        )
+    return f"passed to from_pretrained (transformers {version})"
 
 
 def _one_line(exc: BaseException) -> str:

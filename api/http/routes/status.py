@@ -20,6 +20,7 @@ from api.http.schemas import (
     ServableIdentity,
 )
 from api.http.state import Phase, ServiceState
+from api.models.loader import low_cpu_mem_usage_effect
 from api.models.registry import ServedModel
 from api.serving.classify import ModelRunner
 
@@ -108,6 +109,8 @@ async def info(state: State) -> InfoResponse:
         model_dtype=loaded.dtype if loaded else None,
         model_type=None if loaded is None else {"classifier": classifier_type(loaded.labels)},
         max_input_length=first.max_length,
+        low_cpu_mem_usage=settings.low_cpu_mem_usage,
+        low_cpu_mem_usage_effect=low_cpu_mem_usage_effect(),
         max_batch_tokens=settings.max_batch_tokens,
         max_batch_requests=settings.max_batch_size,
         max_client_batch_size=settings.max_texts_per_request,
