@@ -83,8 +83,8 @@ class Predictor:
         batch gives the padded forward's logits; else stays padded, saying why in the log.
 
         Run it on the thread that serves, before the warm-up (which then warms the packed
-        path). The probe's rows have one length, so dynamic int8 sees the same activations
-        either way and the two must agree to rounding.
+        path). The probe's rows have one length, so even a quantization that scales over the
+        whole batch sees the same activations either way: the two must agree to rounding.
         """
         name = self.loaded.spec.name
         try:
