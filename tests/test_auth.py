@@ -16,6 +16,12 @@ from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
 
 KEY = "s3cret-key-for-tests"
+# Bodies for POST routes that do not take /predict's.
+BODIES = {
+    "/v2/models/tiny/infer": {
+        "inputs": [{"name": "input-0", "shape": [1], "datatype": "BYTES", "data": ["win"]}]
+    }
+}
 
 
 @pytest.fixture
@@ -55,8 +61,10 @@ def test_every_route_but_the_allow_list_needs_the_key(client: TestClient) -> Non
         "/docs",
         "/openapi.json",
     }
-    for method, path in routes:
-        body = {"inputs": "win"} if method == "POST" else None
+    assert {path for _, path in routes} >= {"/v2", "/v2/models/{name}/infer"}
+    for method, template in routes:
+        path = template.replace("{name}", "tiny")  # the served model: its routes answer 200
+        body = BODIES.get(path, {"inputs": "win"}) if method == "POST" else None
         without = client.request(method, path, json=body)
         wrong = client.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
         right = client.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -67,6 +75,9 @@ def test_every_route_but_the_allow_list_needs_the_key(client: TestClient) -> Non
             assert refused.status_code == 401, (method, path)
             assert refused.headers["WWW-Authenticate"] == "Bearer"
             assert KEY not in refused.text
+            # The Open Inference Protocol's routes answer in its error shape, 401 included.
+            shape = str if path.startswith("/v2") else dict
+            assert isinstance(refused.json()["error"], shape), (method, path)
         assert right.status_code == 200, (method, path, right.text)
 
 

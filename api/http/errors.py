@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 _MAX_DETAILS = 5
+OIP_PREFIX = "/v2"  # the Open Inference Protocol's routes, whose error body is its own
 
 
 class ServiceError(Exception):
@@ -24,9 +25,10 @@ class ServiceError(Exception):
         self.message = message
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        """This error as a response; also an ASGI app, for middlewares."""
-        return error_response(self.status_code, self.code, self.message, self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """This error as a response to a request for `path`; also an ASGI app, for
+        middlewares (which pass `scope["path"]`)."""
+        return error_response(self.status_code, self.code, self.message, self.headers, path)
 
 
 class InvalidInput(ServiceError):
@@ -91,23 +93,34 @@ class DeadlineExceeded(ServiceError):
     code = "deadline_exceeded"
 
 
+def speaks_oip(path: str) -> bool:
+    """Whether `path` is one of the Open Inference Protocol's (`/v2`, `/v2/...`)."""
+    return path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/")
+
+
 def error_response(
-    status_code: int, code: str, message: str, headers: dict[str, str] | None = None
+    status_code: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
-    """The one error body: `{"error": {"code", "message"}}`."""
-    return JSONResponse(
-        {"error": {"code": code, "message": message}}, status_code=status_code, headers=headers
+    """The one place that writes an error body: `{"error": {"code", "message"}}`, or on the
+    Open Inference Protocol's routes its own shape, `{"error": "<message>"}` (same status)."""
+    body: dict[str, object] = (
+        {"error": message} if speaks_oip(path) else {"error": {"code": code, "message": message}}
     )
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
-async def _service_error(_: Request, exc: Exception) -> JSONResponse:
+async def _service_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
     if exc.status_code >= 500:
         logger.warning("%s: %s", exc.code, exc.message)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     # FastAPI's own handler echoes the input back (2 MB in, 2 MB out) and fails on lone
     # surrogates; this one names where and what, never the value.
     assert isinstance(exc, RequestValidationError)
@@ -115,18 +128,19 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     for error in exc.errors()[:_MAX_DETAILS]:
         where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         details.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
-    return error_response(422, InvalidInput.code, "; ".join(details))
+    return error_response(422, InvalidInput.code, "; ".join(details), path=request.url.path)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = "not_found" if exc.status_code == 404 else f"http_{exc.status_code}"
-    return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+    headers = dict(exc.headers or {})
+    return error_response(exc.status_code, code, str(exc.detail), headers, request.url.path)
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
-    return error_response(500, ServiceError.code, "internal error")
+    return error_response(500, ServiceError.code, "internal error", path=request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -208,3 +208,119 @@ class InfoResponse(BaseModel):
     max_body_bytes: int
     latency_target_seconds: float
     cascade: CascadeInfo | None = None
+
+
+# --- the Open Inference Protocol (KServe v2), /v2/... ---
+
+
+class OipError(BaseModel):
+    """The Open Inference Protocol's error body, on every /v2 route."""
+
+    error: str
+
+
+class OipServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class OipLive(BaseModel):
+    live: bool
+
+
+class OipReady(BaseModel):
+    ready: bool
+
+
+class OipModelReady(BaseModel):
+    name: str
+    ready: bool
+
+
+class OipTensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int] = Field(description="-1: a dimension of any size.")
+
+
+class OipModelMetadata(BaseModel):
+    name: str
+    versions: list[str] = Field(description="None can be asked for: no /versions/ routes.")
+    platform: str
+    inputs: list[OipTensorMetadata]
+    outputs: list[OipTensorMetadata]
+
+
+class OipParameters(BaseModel):
+    """Request `parameters`: `adapter` is this service's; others (e.g. tritonclient's
+    `binary_data_output`) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    adapter: Annotated[str, Field(pattern=NAME_PATTERN)] | None = Field(
+        None, description="LoRA adapter to use; the model's default if unset."
+    )
+
+
+class OipRequestInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    shape: list[Annotated[int, Field(ge=0)]]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = Field(
+        None, description="A flat list of strings; absent when sent as binary data."
+    )
+
+
+class OipRequestOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class OipInferenceRequest(BaseModel):
+    """`POST /v2/models/{name}/infer`: one BYTES input of texts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str | None = None
+    parameters: OipParameters | None = None
+    inputs: Annotated[list[OipRequestInput], Field(min_length=1, max_length=1)]
+    outputs: list[OipRequestOutput] | None = None
+
+
+class OipResponseOutput(BaseModel):
+    name: str
+    shape: list[int]
+    datatype: str
+    data: list[int] | list[float]
+
+
+class OipInferenceResponse(BaseModel):
+    model_name: str
+    id: str
+    outputs: list[OipResponseOutput]
+
+
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema with its `$defs` written in place, for an OpenAPI request body
+    declared by hand (a route that reads its body itself: it may be binary)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    resolved: dict[str, Any] = resolve(schema)
+    return resolved

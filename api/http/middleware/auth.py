@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.http.errors import Unauthorized
 
 # Probes and scrapers carry no key: these answer without one, and hold nothing secret.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
 class ApiKeyGuard:
@@ -32,4 +32,4 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         reason = "missing API key" if not given else "wrong API key"
-        await Unauthorized(reason).response()(scope, receive, send)
+        await Unauthorized(reason).response(scope["path"])(scope, receive, send)

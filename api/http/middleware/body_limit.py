@@ -54,5 +54,5 @@ class BodySizeLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"request body over {self.max_bytes} bytes"
         # The rest of the body is never read: close the connection rather than drain it.
-        response = PayloadTooLarge(message, {"Connection": "close"}).response()
+        response = PayloadTooLarge(message, {"Connection": "close"}).response(scope["path"])
         await response(scope, receive, send)

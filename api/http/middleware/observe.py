@@ -10,7 +10,40 @@ from api.http.state import ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
-ROUTES = frozenset({"/", "/predict", "/models", "/health", "/ready", "/info", "/metrics"})
+ROUTES = frozenset(
+    {
+        "/",
+        "/predict",
+        "/models",
+        "/health",
+        "/ready",
+        "/info",
+        "/metrics",
+        "/v2",
+        "/v2/health/live",
+        "/v2/health/ready",
+    }
+)
+# The Open Inference Protocol's per-model paths, by what follows `/v2/models/{name}`: one
+# fixed label each, never the model's name (any name a client sends would be a new series).
+MODEL_ROUTES = {
+    "": "/v2/models/metadata",
+    "/ready": "/v2/models/ready",
+    "/infer": "/v2/models/infer",
+}
+PROBES = frozenset({"/ready", "/v2/health/ready", "/v2/models/ready"})
+
+
+def route_label(path: str) -> str:
+    """The `route` label of a request for `path`: a known route, or "other"."""
+    if path in ROUTES:
+        return path
+    if path.startswith("/v2/models/"):
+        name, _, rest = path[len("/v2/models/") :].partition("/")
+        label = MODEL_ROUTES.get(f"/{rest}" if rest else "")
+        if name and label is not None:
+            return label
+    return "other"
 
 
 class RequestMetrics:
@@ -26,7 +59,7 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        route = route_label(scope["path"])
         status = 500
         started = time.perf_counter()
 
@@ -48,5 +81,7 @@ class RequestMetrics:
             self.metrics.requests.labels(route, str(status)).inc()
             if elapsed > self.target_seconds:
                 self.metrics.requests_over_target.labels(route).inc()
-            if (reason := REJECTION_REASON_BY_STATUS.get(status)) is not None and route != "/ready":
+            if (
+                reason := REJECTION_REASON_BY_STATUS.get(status)
+            ) is not None and route not in PROBES:
                 self.metrics.rejections.labels(reason).inc()

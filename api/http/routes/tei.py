@@ -6,6 +6,7 @@ import asyncio
 import math
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -48,36 +49,17 @@ router = APIRouter()
 @router.post("/predict", response_model=PredictResponse, responses=ERRORS)
 async def predict(body: PredictRequest, request: Request, state: State) -> Response:
     """Classifies one text or a list of texts, with one model or the cascade."""
-    if not state.serving:
-        raise Unavailable(
-            f"service is {state.phase.value}", {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
-        )
+    check_serving(state)
     # The one deadline of this request: every stage (the cascade's two included) shares it.
     deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
     texts = body.texts
     check_limits(texts, state)
     cache = state.cache if body.cache else None
-    if body.model == CASCADE_NAME:
-        cascade = pick_cascade(state, body.adapter)
-        labels = cascade.first.served.loaded.labels
-        work = cascade.classify(texts, body.truncate, cache, deadline)
-        adapters = {r.served.name: r.served.adapter_for(None) for r in cascade.runners}
-    else:
-        runner, adapter = pick_runner(state, body.model, body.adapter)
-        labels = runner.served.loaded.labels
-        work = single(runner, texts, adapter, body.truncate, cache, deadline)
-        adapters = {runner.served.name: adapter}
-    result, answered_by = await answer(request, work)
-    for name in set(answered_by):
-        chosen = adapters[name] or "none"
-        state.metrics.predictions.labels(name, chosen).inc(answered_by.count(name))
-    headers = {
-        "X-Model": body.model or answered_by[0],
-        "X-Answered-By": ",".join(answered_by),
-        "X-Cache": result.cache_header(),
-    }
-    if body.model != CASCADE_NAME:
-        headers["X-Adapter"] = adapter or ""
+    done = await classify(
+        request, state, body.model, body.adapter, texts, body.truncate, cache, deadline
+    )
+    result, labels = done.result, done.labels
+    headers = done.headers(body.model or done.answered_by[0])
     ranked = [rank(labels, s, body.scores_shown, body.best) for s in result.scores]
     # Built here, not by FastAPI from the response model: re-validating every score of every
     # answer costs more than the rest of the route (PredictResponse still documents it).
@@ -86,6 +68,66 @@ async def predict(body: PredictRequest, request: Request, state: State) -> Respo
     # one text is a list holding that list.
     one_list = isinstance(body.inputs, str) and body.parameters is None
     return JSONResponse(ranked[0] if one_list else ranked, headers=headers)
+
+
+def check_serving(state: ServiceState) -> None:
+    """503 with `Retry-After` unless the service is ready (loading, draining, failed)."""
+    if not state.serving:
+        raise Unavailable(
+            f"service is {state.phase.value}", {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+        )
+
+
+@dataclass
+class Done:
+    """What `classify` gives a route: the scores, who answered each text, the labels."""
+
+    result: Classified
+    answered_by: list[str]
+    labels: list[str]
+    adapter: str | None  # the adapter of a single model; None for the cascade
+    cascade: bool
+
+    def headers(self, model: str) -> dict[str, str]:
+        """The response headers every protocol sends: model, who answered, cache tiers."""
+        headers = {
+            "X-Model": model,
+            "X-Answered-By": ",".join(self.answered_by),
+            "X-Cache": self.result.cache_header(),
+        }
+        if not self.cascade:
+            headers["X-Adapter"] = self.adapter or ""
+        return headers
+
+
+async def classify(
+    request: Request,
+    state: ServiceState,
+    model: str | None,
+    adapter: str | None,
+    texts: list[str],
+    truncate: bool,
+    cache: ResultCache | None,
+    deadline: float,
+) -> Done:
+    """One model (None: the first) or the cascade scores `texts` (limits already checked),
+    and the predictions are counted; refusals come out as HTTP errors. Every protocol's
+    classifying route goes through here."""
+    if model == CASCADE_NAME:
+        cascade = pick_cascade(state, adapter)
+        labels = cascade.first.served.loaded.labels
+        work = cascade.classify(texts, truncate, cache, deadline)
+        adapters = {r.served.name: r.served.adapter_for(None) for r in cascade.runners}
+    else:
+        runner, adapter = pick_runner(state, model, adapter)
+        labels = runner.served.loaded.labels
+        work = single(runner, texts, adapter, truncate, cache, deadline)
+        adapters = {runner.served.name: adapter}
+    result, answered_by = await answer(request, work)
+    for name in set(answered_by):
+        chosen = adapters[name] or "none"
+        state.metrics.predictions.labels(name, chosen).inc(answered_by.count(name))
+    return Done(result, answered_by, labels, adapter, model == CASCADE_NAME)
 
 
 def pick_runner(
