@@ -421,6 +421,17 @@ def digest_of(digests: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def read_json_object(path: Path, problem: str) -> dict[str, Any]:
+    """The JSON object in `path`; else ExaoneError saying `problem` and why."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ExaoneError(path, f"{problem}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ExaoneError(path, f"{problem}: not a JSON object")
+    return value
+
+
 def convert_exaone(
     folder: Path, files: list[Path], pinned: dict[str, str], cache_root: Path
 ) -> Path:
@@ -430,12 +441,7 @@ def convert_exaone(
     the loader). Returns MODEL_CACHE_DIR/exaone-llama/<digest>; raises ExaoneError.
     """
     config_path = folder / CONFIG
-    try:
-        source = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ExaoneError(config_path, f"unreadable config: {exc}") from None
-    if not isinstance(source, dict):
-        raise ExaoneError(config_path, "unreadable config: not a JSON object")
+    source = read_json_object(config_path, "unreadable config")
     config = llama_config(source, config_path)
     shards = source_weight_files(folder, files)
     check_weights(config, shards)

@@ -32,6 +32,7 @@ from api.models.convert.exaone import (
     ExaoneError,
     llama_key,
     llama_module,
+    read_json_object,
     write_json,
 )
 from api.models.convert.staging import staged_folder
@@ -72,12 +73,7 @@ def convert_exaone_adapter(folder: Path, pinned_sha256: str | None, cache_root: 
         raise ExaoneError(
             weights_path, f"sha256 {weights_sha256} does not match pinned {pinned_sha256}"
         )
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ExaoneError(config_path, f"bad adapter config: {exc}") from None
-    if not isinstance(config, dict):
-        raise ExaoneError(config_path, "bad adapter config: not a JSON object")
+    config = read_json_object(config_path, "bad adapter config")
     renamed_config = llama_adapter_config(config, config_path)
 
     sources = {ADAPTER_CONFIG: sha256_of(config_path), ADAPTER_WEIGHTS: weights_sha256}
