@@ -1,4 +1,5 @@
-"""Which errors of a forward pass leave the device unusable, so that only a restart helps."""
+"""What an error of a forward pass says: out of memory (a smaller batch may pass), or a device
+left unusable (only a restart helps)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ from __future__ import annotations
 FATAL_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cudaerror")
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch raises OutOfMemoryError on CUDA and a RuntimeError naming it on CPU."""
+    return "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower()
+
+
 def is_fatal_device_error(exc: BaseException) -> bool:
     """An error that says CUDA error, device-side assert, illegal memory access or cudaError,
     and is not an out-of-memory (which a smaller batch may get past)."""
-    message = str(exc).lower()
-    if "out of memory" in message or "OutOfMemory" in type(exc).__name__:
+    if is_out_of_memory(exc):
         return False
+    message = str(exc).lower()
     return any(marker in message for marker in FATAL_MARKERS)

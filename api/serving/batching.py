@@ -10,6 +10,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from api.models import faults
+
 logger = logging.getLogger(__name__)
 
 Result = TypeVar("Result")
@@ -130,7 +132,7 @@ class Batcher(Generic[Result]):
         self.limits = limits
         self._executor = executor
         self._slot = device_slot or asyncio.Semaphore(1)
-        self._is_oom = is_out_of_memory or _looks_like_oom
+        self._is_oom = is_out_of_memory or faults.is_out_of_memory
         self._on_batch = on_batch
         self._on_drop = on_drop
         self._on_oom = on_out_of_memory
@@ -412,8 +414,3 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
     """Marks a row's exception as seen: its waiters may all have gone before it failed."""
     if not future.cancelled():
         future.exception()
-
-
-def _looks_like_oom(exc: BaseException) -> bool:
-    """torch raises OutOfMemoryError on CUDA and a RuntimeError naming it on CPU."""
-    return "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower()
