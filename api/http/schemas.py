@@ -9,6 +9,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_
 from api.models.spec import NAME_PATTERN
 
 
+def first_lone_surrogate(texts: list[str]) -> int | None:
+    """The index of the first text holding a lone surrogate, or None.
+
+    JSON may carry them ("\\ud800"): no tokenizer or response can encode them.
+    """
+    for index, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return index
+    return None
+
+
 class ClassificationParameters(BaseModel):
     """`parameters` as Hugging Face's InferenceClient sends them for text classification."""
 
@@ -55,12 +68,9 @@ class PredictRequest(BaseModel):
     @field_validator("inputs")
     @classmethod
     def _valid_unicode(cls, inputs: str | list[str]) -> str | list[str]:
-        # JSON may carry lone surrogates ("\\ud800"): no tokenizer or response can encode them.
-        for index, text in enumerate([inputs] if isinstance(inputs, str) else inputs):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"inputs[{index}] is not valid Unicode (lone surrogate)") from None
+        index = first_lone_surrogate([inputs] if isinstance(inputs, str) else inputs)
+        if index is not None:
+            raise ValueError(f"inputs[{index}] is not valid Unicode (lone surrogate)")
         return inputs
 
     @property

@@ -14,6 +14,7 @@ binary.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 import uuid
@@ -39,6 +40,7 @@ from api.http.schemas import (
     OipRequestInput,
     OipServerMetadata,
     OipTensorMetadata,
+    first_lone_surrogate,
     inline_schema,
 )
 from api.http.state import ServiceState
@@ -214,18 +216,14 @@ def input_texts(tensor: OipRequestInput, binary: bytes) -> list[str]:
         if not all(isinstance(text, str) for text in tensor.data):
             raise InvalidInput(f"input {tensor.name!r}: data must be a flat list of strings")
         texts = list(tensor.data)
-        for index, text in enumerate(texts):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidInput(
-                    f"input {tensor.name!r}: data[{index}] is not valid Unicode (lone surrogate)"
-                ) from None
+        index = first_lone_surrogate(texts)
+        if index is not None:
+            raise InvalidInput(
+                f"input {tensor.name!r}: data[{index}] is not valid Unicode (lone surrogate)"
+            )
     if not texts:
         raise InvalidInput(f"input {tensor.name!r}: no texts")
-    count = 1
-    for dimension in tensor.shape:
-        count *= dimension
+    count = math.prod(tensor.shape)
     if count != len(texts):
         raise InvalidInput(
             f"input {tensor.name!r}: shape {tensor.shape} holds {count} elements, "
