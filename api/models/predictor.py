@@ -92,9 +92,7 @@ class Predictor:
         except PackingUnsupported as exc:
             logger.info("model %s runs padded batches: %s", name, exc)
             return False
-        length = min(8, self.max_length)
-        vocab = max(2, len(self._tokenizer))
-        probe = [[(1 + row * length + i) % vocab for i in range(length)] for row in range(3)]
+        probe = self._probe([min(8, self.max_length)] * 3)
         adapters = [self._default_adapter] * len(probe)
         try:
             packed.attach()
@@ -176,11 +174,7 @@ class Predictor:
         """The largest logit difference of a probe text alone and inside a batch of texts of
         other lengths: 0 where answers do not depend on batch-mates. Run it on the thread
         that serves, after the warm-up."""
-        vocab = max(2, len(self._tokenizer))
-        lengths = [min(n, self.max_length) for n in (5, 2, 9, 5, 1, 7, 3, 12)]
-        probe = [
-            [(7 + 13 * row + 3 * i) % vocab for i in range(n)] for row, n in enumerate(lengths)
-        ]
+        probe = self._probe([min(n, self.max_length) for n in (5, 2, 9, 5, 1, 7, 3, 12)])
         adapters = [self._default_adapter] * len(probe)
         together = self._logits(probe, adapters).float()
         alone = torch.cat([self._logits([row], adapters[:1]).float() for row in probe])
@@ -252,6 +246,11 @@ class Predictor:
             self.forward(batch, list(adapters))
             seconds.append(time.perf_counter() - started)
         return statistics.median(seconds)
+
+    def _probe(self, lengths: list[int]) -> list[list[int]]:
+        """Rows of these lengths whose tokens differ from row to row, as texts do."""
+        vocab = max(2, len(self._tokenizer))
+        return [[(7 + 13 * row + 3 * i) % vocab for i in range(n)] for row, n in enumerate(lengths)]
 
     def _filler(self, rows: int, length: int) -> list[list[int]]:
         """`rows` rows of `length` copies of one ordinary token."""
