@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import threading
 import time
@@ -17,9 +18,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-)
-from transformers import (
-    __version__ as transformers_version,
 )
 
 from api.models.adapters import AdapterDigests, AdapterError, attach_adapters
@@ -497,7 +495,7 @@ def _stored(model: torch.nn.Module) -> Iterator[tuple[torch.device, int]]:
 
 def low_cpu_mem_usage_effect() -> str:
     """What LOW_CPU_MEM_USAGE does with the installed transformers."""
-    version = transformers_version
+    version = importlib.metadata.version("transformers")
     if int(version.split(".")[0]) >= 5:
         return (
             f"none: transformers {version} always builds a model empty and fills it from "
