@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from api.cli import quiet_libraries
+from api.http.app import create_app
 from api.models.spec import AdapterSpec, ModelSpec
 from api.settings import Settings
 from tests.tiny_models import LABELS, TinyModel, build_tiny
@@ -60,3 +64,23 @@ def spec_for(
     }
     values.update(fields)
     return ModelSpec.model_validate(values)
+
+
+def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
+    """Polls /ready until 200, failing with its body after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, client.get("/ready").json()
+        time.sleep(0.02)
+
+
+@contextmanager
+def serving(
+    specs: list[ModelSpec], cache_dir: Path, ready_within: float = 60.0, **settings: object
+) -> Iterator[TestClient]:
+    """The real app serving `specs`, its disk cache in `cache_dir`, once ready (which must
+    take less than `ready_within` seconds)."""
+    app = create_app(make_settings(disk_cache_dir=cache_dir, **settings), specs)
+    with TestClient(app) as client:
+        wait_ready(client, ready_within)
+        yield client

@@ -19,8 +19,7 @@ from api.models.loader import load_model
 from api.models.predictor import NonFiniteScores, Predictor, Scores
 from api.models.spec import ModelsFileError, load_models_file
 from api.serving.batching import Batcher, BatchLimits
-from tests.conftest import make_settings, spec_for
-from tests.test_answer_identity import serving
+from tests.conftest import make_settings, serving, spec_for
 from tests.tiny_models import TinyModel, write_models_file
 
 POISON = "cash"  # one word of the tiny vocabulary whose embedding is NaN

@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.http.app import create_app
 from api.models.spec import AdapterSpec, ModelSpec
-from tests.conftest import make_settings, spec_for
+from tests.conftest import serving, spec_for
 from tests.tiny_models import TinyModel
 
 TEXT = {"inputs": "win a free prize now", "raw_scores": True}
-
-
-@contextmanager
-def serving(specs: list[ModelSpec], cache_dir: Path, **settings: object) -> Iterator[TestClient]:
-    app = create_app(make_settings(disk_cache_dir=cache_dir, **settings), specs)
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/ready").json()
-            time.sleep(0.02)
-        yield client
 
 
 def answer(specs: list[ModelSpec], cache_dir: Path, **body: object) -> tuple[object, str]:

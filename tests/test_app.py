@@ -12,15 +12,8 @@ from fastapi.testclient import TestClient
 
 from api.http.app import create_app
 from api.models.loader import PHASES
-from tests.conftest import make_settings, spec_for
+from tests.conftest import make_settings, spec_for, wait_ready
 from tests.tiny_models import TinyModel
-
-
-def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, client.get("/ready").json()
-        time.sleep(0.02)
 
 
 @pytest.fixture

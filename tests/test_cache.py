@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,10 +10,10 @@ from pathlib import Path
 import diskcache
 from fastapi.testclient import TestClient
 
-from api.http.app import create_app
 from api.models.spec import AdapterSpec
 from api.serving.cache import LruTier
-from tests.conftest import make_settings, spec_for
+from tests.conftest import serving as serve
+from tests.conftest import spec_for
 from tests.tiny_models import TinyModel
 
 TEXT = {"inputs": "win a free prize now"}
@@ -27,12 +26,7 @@ def serving(
     spec = spec_for(tiny, adapters=("spam",))
     if adapter_path is not None:
         spec = spec.model_copy(update={"adapters": [AdapterSpec(name="spam", path=adapter_path)]})
-    app = create_app(make_settings(disk_cache_dir=cache_dir, **settings), [spec])
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 30
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    with serve([spec], cache_dir, ready_within=30, **settings) as client:
         yield client
 
 

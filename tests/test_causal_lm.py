@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
 from api.models.spec import AdapterSpec, ModelSpec
-from tests.conftest import make_settings
-from tests.test_answer_identity import serving
+from tests.conftest import make_settings, serving
 from tests.tiny_models import TinyModel
 
 PROMPT = "is this spam ? {text} answer :"

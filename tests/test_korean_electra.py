@@ -23,8 +23,7 @@ from transformers import (
 from api.models.loader import load_model
 from api.models.predictor import Predictor, Scores
 from api.models.spec import AdapterSpec, ModelSpec
-from tests.conftest import make_settings
-from tests.test_answer_identity import serving
+from tests.conftest import make_settings, serving
 
 LABELS = ["정상", "스팸"]  # ham, spam: Korean labels travel as UTF-8 JSON too
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

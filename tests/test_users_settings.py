@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from api.http.app import create_app
 from api.models.spec import ModelsFileError
 from api.settings import load_settings
+from tests.conftest import wait_ready
 from tests.tiny_models import LABELS, TinyModel, write_models_file
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -68,10 +69,7 @@ def test_the_users_dotenv_starts_the_service(
         app = create_app(load_settings())
     assert "TRANSFORMERS_CACHE is deprecated" in caplog.text
     with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/ready").json()
-            time.sleep(0.02)
+        wait_ready(client)
         models = {m["name"]: m for m in client.get("/models").json()["models"]}
         info = client.get("/info").json()
         answer = client.post("/predict", json={"inputs": "win a prize", "model": "exaone"})
