@@ -13,6 +13,7 @@ import torch
 
 from api.models.loader import LoadedModel
 from api.models.packing import PackedRunner, PackingUnsupported, tolerance
+from api.models.tokenizing import TextEncoder
 from api.models.warmup import warmup_batches
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Predictor:
         self.labels = loaded.labels
         self.max_length = loaded.spec.max_length
         self._tokenizer = loaded.tokenizer
+        self._encoder = TextEncoder(loaded.tokenizer, self.max_length)
         self._sigmoid = loaded.problem_type == "multi_label_classification"
         # Tokens that say nothing of the text ([CLS], [SEP], <s>...); [UNK] stands for text.
         self._special_ids = frozenset(self._tokenizer.all_special_ids) - {
@@ -116,18 +118,13 @@ class Predictor:
             return [
                 self._encode_prompted(index, text, truncate) for index, text in enumerate(texts)
             ]
-        encoded = self._tokenizer(
-            texts,
-            truncation=truncate,
-            max_length=self.max_length if truncate else None,
-            add_special_tokens=True,
-        )["input_ids"]
+        encoded = self._encoder.encode(texts, truncate)
         for index, ids in enumerate(encoded):
             if not truncate and len(ids) > self.max_length:
                 raise TextTooLong(index, len(ids), self.max_length)
-            if all(token in self._special_ids for token in ids):
+            if self._special_ids.issuperset(ids):
                 raise NoTokens(index)
-        return [list(ids) for ids in encoded]
+        return encoded
 
     def _encode_prompted(self, index: int, text: str, truncate: bool) -> list[int]:
         """A causal-LM prompt's ids. Truncation cuts the text, never the prompt around it: the
@@ -139,10 +136,7 @@ class Predictor:
 
         def ids_of(content: str) -> list[int]:
             rendered = prompt.render(content)
-            found: list[int] = self._tokenizer(
-                rendered, add_special_tokens=prompt.adds_special_tokens
-            )["input_ids"]
-            return found
+            return self._encoder.encode([rendered], False, prompt.adds_special_tokens)[0]
 
         ids = ids_of(text)
         if len(ids) <= self.max_length:
@@ -150,8 +144,8 @@ class Predictor:
         if not truncate:
             raise TextTooLong(index, len(ids), self.max_length)
         room = max(1, self.max_length - len(ids_of("")))
-        text_ids = self._tokenizer(text, add_special_tokens=False)["input_ids"][:room]
-        ids = ids_of(self._tokenizer.decode(text_ids))
+        text_ids = self._encoder.encode([text], False, special_tokens=False)[0][:room]
+        ids = ids_of(self._encoder.decode(text_ids))
         return ids[-self.max_length :]  # a tokenizer that merges across the cut: keep the end
 
     @torch.inference_mode()
