@@ -1,14 +1,19 @@
-"""What every route module shares: the state dependency and retry hints."""
+"""What every route module shares: the state dependency, body reading, retry hints."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
+from api.http.schemas import inline_schema
 from api.http.state import ServiceState
 
 RETRY_AFTER_LOADING_SECONDS = "5"
+Body = TypeVar("Body", bound=BaseModel)
 
 
 async def service_state(request: Request) -> ServiceState:
@@ -23,3 +28,43 @@ async def service_state(request: Request) -> ServiceState:
 
 
 State = Annotated[ServiceState, Depends(service_state)]
+
+
+def state_of(request: Request) -> ServiceState:
+    """The app's state object, for routes that skip FastAPI's dependencies (see read_body)."""
+    state: ServiceState = request.app.state.service
+    return state
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads `model` itself with `read_body`."""
+    schema = inline_schema(model)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def read_body(request: Request, model: type[Body]) -> Body:
+    """The JSON body validated as `model`, with FastAPI's errors, for a hot route.
+
+    Declaring `body: Model` makes FastAPI solve dependencies, build its own error lists and
+    wrap the route for each request: measured at 32 clients on the cache-hit path, about a
+    sixth of the event loop's time per request. This is the same parse (the standard
+    library's, which keeps lone surrogates for the model's own check to name) and the same
+    validation, and failures are the same RequestValidationError, so the one handler
+    words them.
+    """
+    content_type = request.headers.get("content-type", "application/json")
+    subtype = content_type.partition(";")[0].strip().lower().rpartition("/")[2]
+    if subtype != "json" and not subtype.endswith("+json"):
+        raise RequestValidationError(
+            [{"type": "content_type", "loc": ("body",), "msg": "send JSON (application/json)"}]
+        )
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body",), "msg": f"invalid JSON: {exc}"}]
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_input=False)) from None

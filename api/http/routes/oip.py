@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from api import __version__
 from api.http.errors import BadRequest, InvalidInput, NotFound
-from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
+from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State, json_body
 from api.http.routes.tei import check_limits, check_serving, classify, request_timeout
 from api.http.schemas import (
     OipError,
@@ -41,7 +41,6 @@ from api.http.schemas import (
     OipServerMetadata,
     OipTensorMetadata,
     first_lone_surrogate,
-    inline_schema,
 )
 from api.http.state import ServiceState
 from api.serving.cascade import CASCADE_NAME, cascade_models
@@ -120,12 +119,7 @@ async def model_ready(name: str, state: State) -> JSONResponse:
     "/models/{name}/infer",
     response_model=OipInferenceResponse,
     responses=ERRORS,
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": inline_schema(OipInferenceRequest)}},
-        }
-    },
+    openapi_extra=json_body(OipInferenceRequest),
 )
 async def infer(name: str, request: Request, state: State) -> Response:
     """Classifies the texts of the one BYTES input with the model or the cascade."""

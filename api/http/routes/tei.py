@@ -22,7 +22,7 @@ from api.http.errors import (
     Overloaded,
     Unavailable,
 )
-from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
+from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, json_body, read_body, state_of
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.http.state import ServiceState
 from api.models.predictor import NonFiniteScores, Scores, UnservableText
@@ -45,10 +45,17 @@ ERRORS: dict[int | str, dict[str, object]] = {
 router = APIRouter()
 
 
-@router.post("/", response_model=PredictResponse, responses=ERRORS)
-@router.post("/predict", response_model=PredictResponse, responses=ERRORS)
-async def predict(body: PredictRequest, request: Request, state: State) -> Response:
+PREDICT_BODY = json_body(PredictRequest)
+
+
+@router.post("/", response_model=PredictResponse, responses=ERRORS, openapi_extra=PREDICT_BODY)
+@router.post(
+    "/predict", response_model=PredictResponse, responses=ERRORS, openapi_extra=PREDICT_BODY
+)
+async def predict(request: Request) -> Response:
     """Classifies one text or a list of texts, with one model or the cascade."""
+    state = state_of(request)
+    body = await read_body(request, PredictRequest)
     check_serving(state)
     # The one deadline of this request: every stage (the cascade's two included) shares it.
     deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
@@ -183,23 +190,33 @@ async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
     """Runs `work` unless the client goes first; then it is cancelled, and its queued texts
-    are dropped unrun (uvicorn itself does not cancel a handler whose client has gone)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    are dropped unrun (uvicorn itself does not cancel a handler whose client has gone).
+
+    The work runs in this task, and one watcher task cancels it on a disconnect: a task per
+    request fewer than running the work in a task of its own beside the watcher.
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    gone = asyncio.Event()
+    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, handler, gone))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not gone.is_set():
+            raise  # cancelled for another reason (the server stopping): not ours to swallow
+        handler.uncancel()
+        raise ClientGone("client disconnected") from None
     finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone("client disconnected")
-    return task.result()
+        watcher.cancel()
 
 
-async def _disconnected(request: Request) -> None:
+async def _cancel_on_disconnect(
+    request: Request, handler: asyncio.Task[Any], gone: asyncio.Event
+) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    gone.set()
+    handler.cancel()
 
 
 def request_timeout(request: Request, limit: float) -> float:
