@@ -11,7 +11,7 @@ import diskcache
 from fastapi.testclient import TestClient
 
 from api.models.spec import AdapterSpec
-from api.serving.cache import LruTier
+from api.serving.cache.lru import LruTier
 from tests.conftest import serving as serve
 from tests.conftest import spec_for
 from tests.tiny_models import TinyModel

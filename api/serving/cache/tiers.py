@@ -1,94 +1,19 @@
-"""The two-tier result cache: an in-process LRU, then a disk cache shared across restarts."""
+"""The tiers in order: an in-process LRU, then a disk cache shared across restarts."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import diskcache
 
 from api.metrics import Metrics
+from api.serving.cache.disk import DiskTier
+from api.serving.cache.entry import Entry
+from api.serving.cache.lru import LruTier
 
 logger = logging.getLogger(__name__)
-
-Entry = tuple[tuple[float, ...], tuple[float, ...]]  # probabilities, logits
-
-
-def cache_key(identity: str, truncate: bool, text: str) -> str:
-    """Everything that changes the answer: the servable's identity (weights, adapter,
-    numerics, versions: api.serving.identity), truncation, and the text."""
-    digest = hashlib.sha256()
-    for part in (identity, "t" if truncate else "f", text):
-        digest.update(part.encode("utf-8", "surrogatepass"))
-        digest.update(b"\x00")
-    return digest.hexdigest()
-
-
-class LruTier:
-    """A bounded least-recently-used map; only the event loop touches it."""
-
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, Entry] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: str) -> Entry | None:
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
-
-    def put(self, key: str, entry: Entry) -> None:
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-
-class DiskTier:
-    """diskcache bounded in bytes. Values are JSON text, never pickles: the folder may be
-    shared, and a pickle from it could run code. Any fault is a miss, reported to the caller.
-    """
-
-    def __init__(self, folder: Path, max_bytes: int, ttl_seconds: float | None) -> None:
-        self.ttl_seconds = ttl_seconds
-        self._cache = diskcache.Cache(
-            str(folder), size_limit=max_bytes, eviction_policy="least-recently-used"
-        )
-
-    def get(self, key: str) -> Entry:
-        """The entry, or KeyError; a corrupt entry raises ValueError."""
-        raw = self._cache.get(key, default=None, retry=False)
-        if raw is None:
-            raise KeyError(key)
-        return _decode(raw)
-
-    def put(self, key: str, entry: Entry) -> None:
-        self._cache.set(key, json.dumps([entry[0], entry[1]]), expire=self.ttl_seconds)
-
-    def stats(self) -> tuple[int, int]:
-        """Entries and bytes on disk."""
-        return len(self._cache), int(self._cache.volume())
-
-    def close(self) -> None:
-        self._cache.close()
-
-
-def _decode(raw: Any) -> Entry:
-    probabilities, logits = json.loads(raw)
-    entry = tuple(float(p) for p in probabilities), tuple(float(x) for x in logits)
-    if not all(map(math.isfinite, entry[0] + entry[1])):
-        raise ValueError("non-finite score in a cache entry")
-    return entry
 
 
 @dataclass
