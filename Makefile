@@ -29,11 +29,15 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Prometheus and promtool, for the observability tests (Debian's package; needs root or sudo).
+# Debian's packages that the tests run for real (needs root or sudo): prometheus (and
+# promtool) for the observability tests, redis-server for the shared cache tier, haproxy for
+# the replicas behind a load balancer. Only the missing ones are installed.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 TOOLS := $(VENV)/.tools
-$(TOOLS): $(INSTALLED)
-	command -v promtool >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q prometheus)
+TOOL_PACKAGES := prometheus redis-server haproxy
+$(TOOLS): $(INSTALLED) Makefile
+	missing="$$(for p in $(TOOL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done)"; \
+	[ -z "$$missing" ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing)
 	touch $@
 
 ## test: the whole suite (lint included)

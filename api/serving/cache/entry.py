@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 Entry = tuple[tuple[float, ...], tuple[float, ...]]  # probabilities, logits
 
@@ -15,3 +16,8 @@ def cache_key(identity: str, truncate: bool, text: str) -> str:
         digest.update(part.encode("utf-8", "surrogatepass"))
         digest.update(b"\x00")
     return digest.hexdigest()
+
+
+def is_finite(entry: Entry) -> bool:
+    """No NaN or infinity among its scores: only such entries are ever stored or served."""
+    return all(map(math.isfinite, entry[0] + entry[1]))

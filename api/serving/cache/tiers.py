@@ -1,19 +1,28 @@
-"""The tiers in order: an in-process LRU, then a disk cache shared across restarts."""
+"""The tiers in order: the in-process LRU, this machine's disk, then Redis shared by every
+replica; the model answers what none holds.
+
+Disk sits before Redis: it is this replica's own, answers without a network hop, and keeps
+answering while Redis is down; Redis then adds what any other replica has computed.
+"""
 
 from __future__ import annotations
 
-import logging
-import math
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from api.metrics import Metrics
+from api.serving.cache.breaker import Breaker
 from api.serving.cache.disk import DiskTier
-from api.serving.cache.entry import Entry
+from api.serving.cache.entry import Entry, is_finite
 from api.serving.cache.lru import LruTier
+from api.serving.cache.redis import RedisTier
+from api.serving.cache.tier import Tier
+from api.settings import Settings
 
-logger = logging.getLogger(__name__)
+# X-Cache names these tiers even when they are turned off; a shared tier only when set.
+LOCAL_TIERS = ("lru", "disk")
+MODEL = "model"
+DEFAULT_TIER_NAMES = (*LOCAL_TIERS, MODEL)
 
 
 @dataclass
@@ -22,103 +31,87 @@ class Lookup:
 
     keys: list[str]
     entries: list[Entry | None]
-    tiers: list[str]  # "lru", "disk" or "model"
+    tiers: list[str]  # a tier's name, or "model"
 
 
 class ResultCache:
-    """LRU first, then disk. Either tier can be off; no fault here ever fails a request."""
+    """Asks the tiers in order; a hit is copied into the tiers before the one that had it.
+    Any tier can be off; no fault in any of them ever fails a request."""
 
-    def __init__(
-        self,
-        metrics: Metrics,
-        lru_entries: int,
-        disk_folder: Path | None,
-        disk_max_bytes: int,
-        disk_ttl_seconds: float | None,
-    ) -> None:
-        self.metrics = metrics
-        self.lru = LruTier(lru_entries) if lru_entries > 0 else None
-        self.disk: DiskTier | None = None
-        # Disk writes go to their own thread: an fsync must not stall the event loop.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-cache")
-        if disk_folder is not None and disk_max_bytes > 0:
-            try:
-                self.disk = DiskTier(disk_folder, disk_max_bytes, disk_ttl_seconds)
-            except Exception as exc:  # unwritable folder, full disk, bad database
-                logger.warning("disk cache off: cannot open %s: %s", disk_folder, exc)
-                metrics.cache_errors.labels("disk", "open").inc()
+    def __init__(self, tiers: Sequence[Tier], shared: Sequence[str] = ()) -> None:
+        self.tiers = list(tiers)
+        self.tier_names = (*LOCAL_TIERS, *shared, MODEL)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, metrics: Metrics) -> ResultCache:
+        """The tiers the settings turn on, in order."""
+        tiers: list[Tier] = []
+        if settings.lru_cache_entries > 0:
+            tiers.append(LruTier(settings.lru_cache_entries, metrics))
+        if settings.disk_cache_max_bytes > 0:
+            disk = DiskTier.open(
+                settings.disk_cache_dir,
+                settings.disk_cache_max_bytes,
+                settings.disk_cache_ttl_seconds,
+                metrics,
+            )
+            if disk is not None:
+                tiers.append(disk)
+        shared: list[str] = []
+        if settings.redis_url is not None:
+            breaker = Breaker(settings.redis_backoff_seconds, settings.redis_backoff_max_seconds)
+            redis = RedisTier(
+                settings.redis_url,
+                settings.redis_key_prefix,
+                settings.redis_ttl_seconds,
+                settings.redis_timeout_seconds,
+                breaker,
+                metrics,
+            )
+            tiers.append(redis)
+            shared.append(redis.name)
+        return cls(tiers, shared)
 
     @property
     def enabled(self) -> bool:
-        return self.lru is not None or self.disk is not None
+        return bool(self.tiers)
 
-    def lookup(self, keys: list[str]) -> Lookup:
-        """Finds each key in the LRU, then on disk (promoting disk hits into the LRU)."""
-        entries: list[Entry | None] = []
-        tiers: list[str] = []
-        for key in keys:
-            entry, tier = self._find(key)
-            entries.append(entry)
-            tiers.append(tier)
+    async def lookup(self, keys: list[str]) -> Lookup:
+        """Finds each key in the first tier that holds it."""
+        entries: list[Entry | None] = [None] * len(keys)
+        tiers = [MODEL] * len(keys)
+        missing = list(range(len(keys)))
+        for depth, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            found = await tier.get_many([keys[i] for i in missing])
+            hits = [
+                (i, entry) for i, entry in zip(missing, found, strict=True) if entry is not None
+            ]
+            for i, entry in hits:
+                entries[i], tiers[i] = entry, tier.name
+            if hits:
+                for nearer in self.tiers[:depth]:
+                    nearer.put_many([keys[i] for i, _ in hits], [entry for _, entry in hits])
+            missing = [i for i, entry in zip(missing, found, strict=True) if entry is None]
         return Lookup(keys, entries, tiers)
 
-    def _find(self, key: str) -> tuple[Entry | None, str]:
-        if self.lru is not None:
-            entry = self.lru.get(key)
-            self.metrics.cache_lookups.labels("lru", "hit" if entry else "miss").inc()
-            if entry is not None:
-                return entry, "lru"
-        if self.disk is not None:
-            try:
-                entry = self.disk.get(key)
-            except KeyError:
-                self.metrics.cache_lookups.labels("disk", "miss").inc()
-            except Exception as exc:  # corrupt entry, I/O error, locked database
-                logger.warning("disk cache read failed: %s", type(exc).__name__)
-                self.metrics.cache_lookups.labels("disk", "error").inc()
-                self.metrics.cache_errors.labels("disk", "read").inc()
-            else:
-                self.metrics.cache_lookups.labels("disk", "hit").inc()
-                if self.lru is not None:
-                    self.lru.put(key, entry)
-                return entry, "disk"
-        return None, "model"
-
     def store(self, keys: list[str], entries: list[Entry]) -> None:
-        """Writes computed results to both tiers; a disk fault is counted and ignored. An
-        entry with a non-finite score is never stored (the predictor fails such rows)."""
-        finite = [all(map(math.isfinite, e[0] + e[1])) for e in entries]
+        """Writes computed results to every tier. An entry with a non-finite score is never
+        stored (the predictor fails such rows)."""
+        finite = [is_finite(entry) for entry in entries]
         keys = [key for key, ok in zip(keys, finite, strict=True) if ok]
         entries = [entry for entry, ok in zip(entries, finite, strict=True) if ok]
-        for key, entry in zip(keys, entries, strict=True):
-            if self.lru is not None:
-                self.lru.put(key, entry)
-        if self.disk is not None:
-            self._writer.submit(self._write, self.disk, keys, entries)
-
-    def _write(self, disk: DiskTier, keys: list[str], entries: list[Entry]) -> None:
-        for key, entry in zip(keys, entries, strict=True):
-            try:
-                disk.put(key, entry)
-            except Exception as exc:  # disk full, read-only, I/O error
-                logger.warning("disk cache write failed: %s", type(exc).__name__)
-                self.metrics.cache_errors.labels("disk", "write").inc()
+        if keys:
+            for tier in self.tiers:
+                tier.put_many(keys, entries)
 
     def refresh_gauges(self) -> None:
         """Entries and bytes per tier, for /metrics."""
-        if self.lru is not None:
-            self.metrics.cache_entries.labels("lru").set(len(self.lru))
-        if self.disk is not None:
-            try:
-                entries, size = self.disk.stats()
-            except Exception:
-                self.metrics.cache_errors.labels("disk", "stats").inc()
-                return
-            self.metrics.cache_entries.labels("disk").set(entries)
-            self.metrics.cache_bytes.labels("disk").set(size)
+        for tier in self.tiers:
+            tier.refresh_gauges()
 
-    def close(self) -> None:
-        """Finishes pending disk writes, then closes the disk tier."""
-        self._writer.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
+    async def close(self) -> None:
+        """Finishes pending writes, then closes every tier."""
+        for tier in self.tiers:
+            await tier.close()
