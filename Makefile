@@ -59,7 +59,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-cascade
+bench: bench-load bench-speed bench-throughput bench-cascade bench-scale
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -76,6 +76,11 @@ bench-throughput: $(BENCH_INSTALLED)
 ## bench-cascade: the cascade vs. each of its models, as served: held-out quality, throughput
 bench-cascade: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.cascade
+
+## bench-scale: replica cost, a cross-replica Redis hit, queue wait under load (needs make test's tools)
+.PHONY: bench-scale
+bench-scale: $(BENCH_INSTALLED) $(TOOLS)
+	$(BIN)/python -m bench.scale_out
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
