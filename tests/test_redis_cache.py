@@ -3,6 +3,7 @@ a hit across two app instances, a frozen Redis, and Redis killed under load."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import struct
@@ -90,6 +91,8 @@ def test_breaker_skips_then_lets_one_probe_through_with_doubling_waits() -> None
     assert breaker.wait == 3.0  # capped
     now[0] = 6.0
     assert breaker.allow()
+    breaker.abandoned()  # the probe's request was cancelled: it tells nothing
+    assert breaker.wait == 3.0 and breaker.allow()  # so another call probes
     assert breaker.succeeded() is True and breaker.closed and breaker.allow()
     assert breaker.succeeded() is False
 
@@ -141,6 +144,26 @@ async def test_non_finite_answers_never_reach_redis(redis_server: RedisServer) -
     )
     await cache.close()  # finishes the pending write
     assert redis_server.client().keys("*") == [tier.key("good").encode()]
+
+
+async def test_a_probe_cancelled_with_its_request_leaves_the_tier_to_probe_again(
+    redis_server: RedisServer,
+) -> None:
+    """A client that goes away cancels its request, and with it the probe it carried: the
+    tier must not wait for that probe's answer for ever."""
+    metrics = Metrics(latency_target_seconds=2.0)
+    tier = RedisTier(redis_server.url, PREFIX, None, 0.5, Breaker(0.01, 0.01), metrics)
+    redis_server.freeze()
+    assert await tier.get_many(["a"]) == [None]  # times out: the breaker opens
+    await asyncio.sleep(0.05)  # past its wait: the next call is the probe
+    probe = asyncio.ensure_future(tier.get_many(["a"]))
+    await asyncio.sleep(0.1)
+    probe.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await probe
+    redis_server.thaw()
+    assert tier.breaker.allow()
+    await tier.close()
 
 
 def test_a_frozen_redis_is_skipped_within_its_timeout_and_tried_again(

@@ -49,6 +49,11 @@ class Breaker:
         self._wait, self._probing = 0.0, False
         return reopened
 
+    def abandoned(self) -> None:
+        """A call let through was cancelled before it answered (its client went away): it
+        tells nothing, so the next call may probe in its place."""
+        self._probing = False
+
     def failed(self) -> bool:
         """A call faulted; True when that opens a closed breaker."""
         opened = self.closed

@@ -104,6 +104,9 @@ class RedisTier:
             self._fault("read", exc)
             self.metrics.cache_lookups.labels(self.name, "error").inc(len(keys))
             return [None] * len(keys)
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            raise
         self._answered()
         entries: list[Entry | None] = []
         errors = 0
@@ -132,6 +135,9 @@ class RedisTier:
             await self._call(pipe.execute())
         except FAULTS as exc:
             self._fault("write", exc)
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            raise
         else:
             self._answered()
 
