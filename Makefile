@@ -29,11 +29,15 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Prometheus and promtool, for the observability tests (Debian's package; needs root or sudo).
+# Debian's packages that the tests run for real (needs root or sudo): prometheus (and
+# promtool) for the observability tests, redis-server for the shared cache tier, haproxy for
+# the replicas behind a load balancer. Only the missing ones are installed.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 TOOLS := $(VENV)/.tools
-$(TOOLS): $(INSTALLED)
-	command -v promtool >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q prometheus)
+TOOL_PACKAGES := prometheus redis-server haproxy
+$(TOOLS): $(INSTALLED) Makefile
+	missing="$$(for p in $(TOOL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done)"; \
+	[ -z "$$missing" ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing)
 	touch $@
 
 ## test: the whole suite (lint included)
@@ -55,7 +59,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-cascade
+bench: bench-load bench-speed bench-throughput bench-cascade bench-scale
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -72,6 +76,11 @@ bench-throughput: $(BENCH_INSTALLED)
 ## bench-cascade: the cascade vs. each of its models, as served: held-out quality, throughput
 bench-cascade: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.cascade
+
+## bench-scale: replica cost, a cross-replica Redis hit, queue wait under load (needs make test's tools)
+.PHONY: bench-scale
+bench-scale: $(BENCH_INSTALLED) $(TOOLS)
+	$(BIN)/python -m bench.scale_out
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

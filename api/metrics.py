@@ -162,6 +162,12 @@ class Metrics:
         )
         self.cache_entries = Gauge(f"{p}_cache_entries", "Entries held", ["tier"], registry=r)
         self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held on disk", ["tier"], registry=r)
+        self.cache_tier_up = Gauge(
+            f"{p}_cache_tier_up",
+            "1 while a shared cache tier answers; 0 while it is skipped after a fault",
+            ["tier"],
+            registry=r,
+        )
 
         self.cascade_escalations = Counter(
             f"{p}_cascade_escalations", "Texts the cascade sent on to its second model", registry=r

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dotenv import dotenv_values
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -16,6 +16,7 @@ from pydantic_settings import (
 )
 
 ADAPTER_DIR_SUFFIX = "_ADAPTER_DIR"
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class AdapterDirSource(PydanticBaseSettingsSource):
@@ -176,6 +177,34 @@ class Settings(BaseSettings):
         None, gt=0, description="Disk entries expire after this long; unset keeps them."
     )
 
+    # --- shared cache tier (Redis), after the LRU and the disk ---
+    redis_url: str | None = Field(
+        None,
+        description="Redis that every replica shares as a cache tier (redis://host:6379/0, "
+        "rediss:// for TLS, unix:///path.sock); unset: no shared tier.",
+    )
+    redis_key_prefix: str = Field(
+        "loraserve:", description="Prefix of every key the service writes in Redis."
+    )
+    redis_ttl_seconds: float | None = Field(
+        86400.0, gt=0, description="Redis entries expire after this long; unset keeps them."
+    )
+    redis_timeout_seconds: float = Field(
+        0.05,
+        gt=0,
+        description="Longest one Redis call (connecting included) may take; past it the "
+        "request is answered without the tier.",
+    )
+    redis_backoff_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="After a Redis fault the tier is skipped this long, then tried once; "
+        "each further fault doubles the wait.",
+    )
+    redis_backoff_max_seconds: float = Field(
+        30.0, gt=0, description="Longest wait between tries of a failing Redis."
+    )
+
     # --- cascade (request model "cascade") ---
     cascade_first_model: str | None = Field(
         None, description="Cascade's cheap model; unset: the first declared model."
@@ -227,6 +256,19 @@ class Settings(BaseSettings):
         if value is not None and not value.is_file():
             raise ValueError(f"no such file: {value}")
         return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(REDIS_URL_SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(REDIS_URL_SCHEMES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _redis_backoff_bounds(self) -> Settings:
+        if self.redis_backoff_max_seconds < self.redis_backoff_seconds:
+            raise ValueError("REDIS_BACKOFF_MAX_SECONDS must be at least REDIS_BACKOFF_SECONDS")
+        return self
 
     @classmethod
     def settings_customise_sources(

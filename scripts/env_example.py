@@ -26,6 +26,14 @@ GRAFANA_PORT=3000
 GRAFANA_ADMIN_USER=admin
 GRAFANA_ADMIN_PASSWORD=admin
 GRAFANA_ANONYMOUS=true
+# --- profile `scale` (docker compose --profile scale up) ---
+# How many replicas of the service HAProxy balances (the config has 10 slots).
+API_REPLICAS=3
+# Host ports of HAProxy's front door and of its stats page (/stats, /metrics).
+LB_PORT=8080
+LB_STATS_PORT=8404
+# Redis's memory bound; past it, the least recently used answers are evicted.
+REDIS_MAXMEMORY=256mb
 """
 OUTPUT = Path(__file__).resolve().parents[1] / ".env.example"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from api.cli import quiet_libraries
 from api.http.app import create_app
 from api.models.spec import AdapterSpec, ModelSpec
 from api.settings import Settings
+from tests.redis_server import RedisServer
 from tests.tiny_models import LABELS, TinyModel, build_tiny
 
 quiet_libraries()
@@ -66,6 +67,14 @@ def spec_for(
     return ModelSpec.model_validate(values)
 
 
+def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    """Polls `condition` until true; fails naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.05)
+
+
 def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
     """Polls /ready until 200, failing with its body after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -84,3 +93,14 @@ def serving(
     with TestClient(app) as client:
         wait_ready(client, ready_within)
         yield client
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, killed after the test."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()  # SIGKILL ends it even while frozen

@@ -187,7 +187,11 @@ def run_load(
 
 def metric(url: str, name: str, **labels: str) -> float:
     """The sum of the samples called exactly `name` whose labels include the given ones."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return exposition_sum(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)
+
+
+def exposition_sum(text: str, name: str, **labels: str) -> float:
+    """`metric`, over an exposition already read (0 when no sample matches)."""
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)

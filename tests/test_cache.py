@@ -10,8 +10,9 @@ from pathlib import Path
 import diskcache
 from fastapi.testclient import TestClient
 
+from api.metrics import Metrics
 from api.models.spec import AdapterSpec
-from api.serving.cache import LruTier
+from api.serving.cache.lru import LruTier
 from tests.conftest import serving as serve
 from tests.conftest import spec_for
 from tests.tiny_models import TinyModel
@@ -31,7 +32,7 @@ def serving(
 
 
 def test_lru_evicts_the_least_recently_used() -> None:
-    lru = LruTier(max_entries=2)
+    lru = LruTier(max_entries=2, metrics=Metrics(latency_target_seconds=2.0))
     a, b, c = ((0.1,), (0.1,)), ((0.2,), (0.2,)), ((0.3,), (0.3,))
     lru.put("a", a)
     lru.put("b", b)

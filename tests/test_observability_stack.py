@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.metrics import DASHBOARD_METRICS, GPU_METRICS
 from api.settings import Settings
 from tests.conftest import SETTING_NAMES
+from tests.promql import metric_names
 from tests.server_process import REPO_ROOT, free_port, run_server
 from tests.tiny_models import TinyModel, tiny_models_file
 
@@ -120,7 +121,9 @@ def test_compose_files_validate_against_the_compose_specification() -> None:
 def test_compose_stack_wires_the_service_prometheus_and_grafana() -> None:
     compose = load_yaml(REPO_ROOT / "compose.yaml")
     services = compose["services"]
-    assert set(services) == {"api", "prometheus", "grafana"}
+    # `docker compose up` without a profile (the `scale` profile: tests/test_scale_out.py).
+    unprofiled = {name for name, service in services.items() if "profiles" not in service}
+    assert unprofiled == {"api", "prometheus", "grafana"}
     api = services["api"]
     assert api["build"]["dockerfile"] == "docker/Dockerfile"
     assert "/ready" in " ".join(api["healthcheck"]["test"])
@@ -195,19 +198,6 @@ def test_dashboards_use_the_provisioned_datasource_and_describe_every_panel() ->
             assert len(panel.get("description", "")) > 20, f"{title}: say what it tells"
             assert panel["datasource"]["uid"] == uid, title
             assert all(t["datasource"]["uid"] == uid for t in panel["targets"]), title
-
-
-def metric_names(expr: promql_parser.Expr) -> set[str]:
-    """Every metric a parsed PromQL expression selects."""
-    names: set[str] = set()
-
-    def visit(node: promql_parser.Expr) -> bool:
-        if isinstance(node, promql_parser.VectorSelector) and node.name:
-            names.add(node.name)
-        return True
-
-    promql_parser.walk(expr, visit)
-    return names
 
 
 # --- a real Prometheus scraping the real server ----------------------------------------------

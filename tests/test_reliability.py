@@ -42,7 +42,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import SETTING_NAMES
+from tests.conftest import SETTING_NAMES, wait_for
 from tests.load_client import metric
 from tests.server_process import ServerProcess, run_server
 from tests.tiny_models import TinyModel, embedded_encoder_file, faulty_bert, tiny_models_file
@@ -78,14 +78,6 @@ def rows_run(server: ServerProcess) -> float:
 def rows_dropped(server: ServerProcess, reason: str | None = None) -> float:
     labels = {} if reason is None else {"reason": reason}
     return metric(server.url, "loraserve_batch_dropped_total", **labels)
-
-
-def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    """Polls `condition` until true; fails naming `what` after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
-        time.sleep(0.05)
 
 
 def wait_all_accounted(server: ServerProcess, submitted: int) -> None:

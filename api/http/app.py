@@ -65,13 +65,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.cache = ResultCache(
-            metrics,
-            settings.lru_cache_entries,
-            settings.disk_cache_dir,
-            settings.disk_cache_max_bytes,
-            settings.disk_cache_ttl_seconds,
-        )
+        state.cache = ResultCache.from_settings(settings, metrics)
         loading = asyncio.create_task(_load(state, cascade, on_fatal))
         try:
             yield
@@ -83,7 +77,7 @@ def create_app(
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(r.batcher.stop() for r in state.runners.values()))
             registry.close()
-            state.cache.close()
+            await state.cache.close()
 
     app = FastAPI(
         title="loraserve",

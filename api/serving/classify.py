@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from api.models.predictor import Scores
@@ -11,6 +12,7 @@ from api.models.registry import ServedModel
 from api.serving.admission import Admission
 from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
+from api.serving.cache.tiers import DEFAULT_TIER_NAMES
 from api.serving.identity import AnswerIdentity
 
 INLINE_TOKENIZE_MAX_CHARS = 4096
@@ -23,9 +25,9 @@ class Classified:
     scores: list[Scores]
     tiers: list[str]
 
-    def cache_header(self) -> str:
-        """`lru=1,disk=0,model=2`: how many texts each tier answered."""
-        return ",".join(f"{tier}={self.tiers.count(tier)}" for tier in ("lru", "disk", "model"))
+    def cache_header(self, names: Sequence[str] = DEFAULT_TIER_NAMES) -> str:
+        """`lru=1,disk=0,model=2`: how many texts each of the tiers `names` answered."""
+        return ",".join(f"{tier}={self.tiers.count(tier)}" for tier in names)
 
 
 def seconds_left(deadline: float) -> float:
@@ -66,7 +68,7 @@ class ModelRunner:
             return Classified(scores, ["model"] * len(texts))
         identity = self.identities[adapter].digest
         keys = [cache_key(identity, truncate, text) for text in texts]
-        found = cache.lookup(keys)
+        found = await cache.lookup(keys)
         missing = [index for index, entry in enumerate(found.entries) if entry is None]
         results: list[Scores | None] = [
             None if entry is None else Scores(*entry) for entry in found.entries

