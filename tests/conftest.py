@@ -42,11 +42,20 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
 
 
 SETTING_NAMES = {name.upper() for name in Settings.model_fields}
+# In-process loads convert and pre-quantize into a folder of the test session, not into the
+# user's ~/.cache (server processes, started with the environment, still use the default).
+_SESSION_FOLDERS: dict[str, Path] = {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _SESSION_FOLDERS["model_cache_dir"] = tmp_path_factory.mktemp("model-cache")
 
 
 def make_settings(**overrides: object) -> Settings:
-    """Settings from defaults and the given values only."""
-    return Settings(_env_file=None, **overrides)  # type: ignore[call-arg]
+    """Settings from defaults and the given values only (the model cache: the session's)."""
+    values = {**_SESSION_FOLDERS, **overrides}
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
 
 def spec_for(

@@ -68,9 +68,14 @@ class ServerProcess:
 
 @contextmanager
 def run_server(env: dict[str, str], log_dir: Path) -> Iterator[ServerProcess]:
-    """Starts `python -m api.cli` with the given settings; always stops it afterwards."""
+    """Starts `python -m api.cli` with the given settings; always stops it afterwards.
+
+    A test's own models (MODELS_FILE) are pre-quantized into its folder; the embedded
+    default's into the user's model cache, where its GGUF conversion is kept between runs.
+    """
     port = free_port()
-    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **env}
+    own_models = {"MODEL_CACHE_DIR": str(log_dir / "model-cache")} if "MODELS_FILE" in env else {}
+    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **own_models, **env}
     log_path = log_dir / f"server-{port}.log"
     with log_path.open("w", encoding="utf-8") as log:
         process = subprocess.Popen(

@@ -41,6 +41,7 @@ from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec
 from api.settings import Settings
+from bench.gpu_models import exaone_config as shipped_exaone_config
 from tests.conftest import make_settings
 from tests.tiny_models import LABELS, build_tokenizer
 
@@ -109,38 +110,28 @@ class TinyExaone:
 
 
 def exaone_config(vocab_size: int) -> dict[str, Any]:
-    """A config.json as EXAONE 3.5's reads: its own field names, its remote-code entries."""
-    return {
-        "activation_function": "silu",
-        "architectures": ["ExaoneForCausalLM"],
-        "attention_dropout": 0.0,
-        "auto_map": {
-            "AutoConfig": "configuration_exaone.ExaoneConfig",
-            "AutoModelForCausalLM": "modeling_exaone.ExaoneForCausalLM",
-            "AutoModelForSequenceClassification": "modeling_exaone.ExaoneForSequenceClassification",
-        },
-        "bos_token_id": BOS,
-        "embed_dropout": 0.0,
-        "eos_token_id": EOS,
-        "head_dim": HEAD_DIM,
-        "hidden_size": HIDDEN,
-        "initializer_range": 0.02,
-        "intermediate_size": INNER,
-        "layer_norm_epsilon": EPS,
-        "max_position_embeddings": 128,
-        "model_type": "exaone",
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "num_layers": LAYERS,
-        "pad_token_id": PAD,
-        "rope_scaling": ROPE,
-        "rope_theta": THETA,
-        "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-        "transformers_version": "4.43.0",
-        "use_cache": True,
-        "vocab_size": vocab_size,
-    }
+    """A config.json as EXAONE 3.5's reads (its own field names, its remote-code entries),
+    in the tiny shape, with an epsilon and token ids of its own."""
+    return shipped_exaone_config(
+        {
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+            "pad_token_id": PAD,
+            "head_dim": HEAD_DIM,
+            "hidden_size": HIDDEN,
+            "intermediate_size": INNER,
+            "layer_norm_epsilon": EPS,
+            "max_position_embeddings": 128,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS,
+            "num_layers": LAYERS,
+            "rope_scaling": ROPE,
+            "rope_theta": THETA,
+            "torch_dtype": "float32",
+            "transformers_version": "4.43.0",
+            "vocab_size": vocab_size,
+        }
+    )
 
 
 def exaone_weights(vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:

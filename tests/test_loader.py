@@ -267,7 +267,14 @@ def test_a_model_placed_partly_off_the_gpu_is_refused_naming_its_modules() -> No
 
 def test_load_records_every_phase(tiny_bert: TinyModel) -> None:
     loaded = load_model(spec_for(tiny_bert), make_settings())
-    assert set(loaded.phases) == {"resolve", "weights", "quantize", "adapters", "warmup"}
+    assert set(loaded.phases) == {
+        "resolve",
+        "weights",
+        "quantize",
+        "save_quantized",
+        "adapters",
+        "warmup",
+    }
     assert loaded.phases["weights"] > 0 and loaded.phases["adapters"] > 0
     assert json.dumps(loaded.phases)
 

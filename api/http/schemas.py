@@ -142,6 +142,11 @@ class ModelInfo(BaseModel):
     adapter_mode: str = Field(description="unmerged, merged into the base, or none.")
     weight_bytes: int
     load_seconds: dict[str, float] = Field(description="Seconds per load phase.")
+    prequantized_cache: str | None = Field(
+        description="The pre-quantized checkpoint of an int8/nf4/fp4 model: hit (loaded from "
+        "it), written (quantized at start, saved for the next), rebuilt (an unusable one "
+        "replaced), unwritten (the save failed), off; null for other quantizations."
+    )
     batch_overhead_tokens: float | None = Field(
         description="A forward's fixed cost in tokens, as the batcher uses it; null: no limit."
     )

@@ -1,5 +1,5 @@
-"""What an error of a forward pass says: out of memory (a smaller batch may pass), or a device
-left unusable (only a restart helps)."""
+"""What an error says: of a forward pass, out of memory (a smaller batch may pass) or a device
+left unusable (only a restart helps); of a library call, its message in one line."""
 
 from __future__ import annotations
 
@@ -20,3 +20,10 @@ def is_fatal_device_error(exc: BaseException) -> bool:
         return False
     message = str(exc).lower()
     return any(marker in message for marker in FATAL_MARKERS)
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type when empty), at most 500 characters:
+    libraries raise many types with long messages, each reported as one clear error."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]

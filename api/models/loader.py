@@ -25,6 +25,8 @@ from api.models.causal_lm import LabelWordsError, Prompt, first_token_ids
 from api.models.checkpoint import CheckpointError, folder_fingerprint, verify_files, weight_files
 from api.models.convert.exaone import ExaoneError, convert_exaone, is_exaone
 from api.models.convert.exaone_adapter import convert_exaone_adapter
+from api.models.faults import is_out_of_memory, one_line
+from api.models.prequantized import PrequantizedEntry, PrequantizedError
 from api.models.quantization import (
     HEAD_MODULES,
     QuantizationRefused,
@@ -46,7 +48,8 @@ logger = logging.getLogger(__name__)
 # reading files, quantizing and warming up still overlap.
 _BUILD_LOCK = threading.Lock()
 
-PHASES = ("resolve", "weights", "quantize", "adapters", "warmup")
+# save_quantized: writing the pre-quantized checkpoint, at the first start only.
+PHASES = ("resolve", "weights", "quantize", "save_quantized", "adapters", "warmup")
 GIB = 1024**3
 
 
@@ -58,6 +61,11 @@ class LoadError(Exception):
         self.model = model
         self.path = str(path)
         self.reason = reason
+
+
+class UnreadableCheckpoint(LoadError):
+    """A config or weights that transformers cannot read: the files' fault, not a memory or
+    placement limit's."""
 
 
 @dataclass
@@ -87,6 +95,10 @@ class LoadedModel:
     device_bytes: dict[int | str, int] = field(default_factory=dict)
     max_memory: dict[int | str, int] | None = None
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # The pre-quantized checkpoint (bitsandbytes only, else None): "hit" (loaded from it),
+    # "written" (quantized at start and saved), "rebuilt" (an unusable entry replaced),
+    # "unwritten" (quantized at start, the save failed), "off" (PREQUANTIZED_CACHE=false).
+    prequantized: str | None = None
 
     @property
     def adapters(self) -> list[str]:
@@ -248,6 +260,7 @@ def load_model(
     except QuantizationRefused as exc:
         raise LoadError(spec.name, "quantization", str(exc)) from None
 
+    dtype = torch_dtype(spec.dtype, device)
     with timed(phases, "resolve"):
         folder, revision = resolve_folder(spec, settings)
         try:
@@ -262,12 +275,24 @@ def load_model(
             raise LoadError(spec.name, exc.path, exc.reason) from None
         config = _read_config(spec, folder)
         tokenizer = _read_tokenizer(spec, folder)
-
-    dtype = torch_dtype(spec.dtype, device)
-    with _BUILD_LOCK, timed(phases, "weights"):
-        model, missing_keys = _load_base(
-            spec, settings, folder, config, dtype, quant_config, device, max_memory
+        entry, recorded, prequantized = _find_prequantized(
+            spec, settings, base_fingerprint, quant_config, dtype, device
         )
+
+    model = None
+    if entry is not None and recorded is not None:
+        with _BUILD_LOCK, timed(phases, "weights"):
+            model = _load_prequantized(entry, spec, settings, folder, dtype, device, max_memory)
+        missing_keys, prequantized = recorded, "hit" if model is not None else "rebuilt"
+    if model is None:
+        with _BUILD_LOCK, timed(phases, "weights"):
+            model, missing_keys = _load_base(
+                spec, settings, folder, config, dtype, quant_config, device, max_memory
+            )
+        if entry is not None:  # quantized now, never run: saved for the next start
+            with timed(phases, "save_quantized"):
+                if not _save_prequantized(entry, spec, model, missing_keys, folder):
+                    prequantized = "unwritten"
     _fit_pad_token(model, tokenizer)
     architecture = type(model).__name__
     prompt, label_token_ids = None, None
@@ -362,7 +387,85 @@ def load_model(
         label_token_ids=label_token_ids,
         numerics=numerics,
         phases=phases,
+        prequantized=prequantized,
     )
+
+
+def _find_prequantized(
+    spec: ModelSpec,
+    settings: Settings,
+    base_fingerprint: str,
+    quant_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[PrequantizedEntry | None, list[str] | None, str | None]:
+    """For a bitsandbytes model with PREQUANTIZED_CACHE on: its pre-quantized entry, the
+    base's recorded missing keys when the entry is complete and its files are the bytes
+    written (else None), and what the load is now: "hit", "written" (no entry yet) or
+    "rebuilt" (the entry there was unusable, and is removed). Else no entry, and the state
+    "off", or None for a model that bitsandbytes does not quantize."""
+    if quant_config is None:
+        return None, None, None
+    if not settings.prequantized_cache:
+        return None, None, "off"
+    cache = settings.model_cache_folder
+    entry = PrequantizedEntry.of(cache, spec, base_fingerprint, quant_config, dtype, device)
+    try:
+        recorded = entry.read_manifest()
+    except PrequantizedError as exc:
+        logger.warning("model %s: pre-quantized checkpoint unusable, rebuilt: %s", spec.name, exc)
+        entry.discard()
+        return entry, None, "rebuilt"
+    return entry, recorded, "written" if recorded is None else "hit"
+
+
+def _load_prequantized(
+    entry: PrequantizedEntry,
+    spec: ModelSpec,
+    settings: Settings,
+    source: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    memory: dict[int | str, int] | None,
+) -> torch.nn.Module | None:
+    """The model from its pre-quantized checkpoint; None if transformers cannot read it (the
+    entry is then removed, to be written again)."""
+    try:
+        # Its config.json carries the quantization_config: transformers reads the quantized
+        # tensors as they are, and quantizes nothing.
+        config = _read_config(spec, entry.folder)
+        model, lacking = _load_base(
+            spec, settings, entry.folder, config, dtype, None, device, memory
+        )
+        if lacking:  # it was saved whole, the head included
+            raise UnreadableCheckpoint(spec.name, entry.folder, f"tensors missing: {lacking[:3]}")
+    except UnreadableCheckpoint as exc:
+        logger.warning("model %s: pre-quantized checkpoint unreadable, rebuilt: %s", spec.name, exc)
+        entry.discard()
+        return None
+    logger.info("model %s: loaded pre-quantized from %s", spec.name, entry.folder)
+    # It is the source's model, quantized: named by the source, as adapters know their base.
+    named: Any = model
+    named.config._name_or_path = named.name_or_path = str(source)
+    return model
+
+
+def _save_prequantized(
+    entry: PrequantizedEntry,
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    missing_keys: list[str],
+    source: Path,
+) -> bool:
+    """Writes the entry; a failure (a full or read-only disk) is logged, and the model is
+    served as quantized now. True once written."""
+    try:
+        entry.write(model, missing_keys, source)
+    except PrequantizedError as exc:
+        logger.warning("model %s: pre-quantized checkpoint not saved: %s", spec.name, exc)
+        return False
+    logger.info("model %s: saved pre-quantized into %s (once)", spec.name, entry.folder)
+    return True
 
 
 def _read_config(spec: ModelSpec, folder: Path) -> Any:
@@ -371,7 +474,8 @@ def _read_config(spec: ModelSpec, folder: Path) -> Any:
             str(folder), trust_remote_code=spec.trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError) as exc:
-        raise LoadError(spec.name, folder / "config.json", f"unreadable config: {exc}") from None
+        path = folder / "config.json"
+        raise UnreadableCheckpoint(spec.name, path, f"unreadable config: {exc}") from None
     # A classifier reads one forward's logits: a KV cache would hold every layer's keys and
     # values for nothing (~1.2 GB at EXAONE-2.4B's warm-up shape).
     config.use_cache = False
@@ -424,9 +528,11 @@ def _load_base(
     try:
         model, info = auto.from_pretrained(str(folder), **kwargs)
     except Exception as exc:  # transformers raises many types; each becomes one clear error
-        raise LoadError(spec.name, folder, f"cannot load weights: {_one_line(exc)}") from None
+        error = LoadError if is_out_of_memory(exc) else UnreadableCheckpoint
+        raise error(spec.name, folder, f"cannot load weights: {one_line(exc)}") from None
     if info.get("mismatched_keys"):
-        raise LoadError(spec.name, folder, f"weights of the wrong shape: {info['mismatched_keys']}")
+        reason = f"weights of the wrong shape: {info['mismatched_keys']}"
+        raise UnreadableCheckpoint(spec.name, folder, reason)
     if device.type == "cuda":
         check_placement(spec.name, getattr(model, "hf_device_map", None) or {}, memory)
     if memory is not None and device.type == "cuda":  # on the CPU device_map is explicit
@@ -503,8 +609,3 @@ def low_cpu_mem_usage_effect() -> str:
             "and ignored"
         )
     return f"passed to from_pretrained (transformers {version})"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]

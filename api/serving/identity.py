@@ -4,15 +4,11 @@ when the model is loaded, that every cache tier keys by."""
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 from dataclasses import dataclass
-from functools import cache
 
 from api.models.registry import ServedModel
-
-# The libraries whose kernels compute the numbers: a new release may round differently.
-NUMERIC_LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
+from api.models.versions import library_versions
 
 
 @dataclass(frozen=True)
@@ -38,15 +34,3 @@ class AnswerIdentity:
         }
         canonical = json.dumps(components, sort_keys=True, separators=(",", ":"), default=str)
         return cls(components, hashlib.sha256(canonical.encode()).hexdigest())
-
-
-@cache
-def library_versions() -> dict[str, str | None]:
-    """The installed version of each numeric library (None where it is not installed)."""
-    versions: dict[str, str | None] = {}
-    for name in NUMERIC_LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions

@@ -58,6 +58,7 @@ def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
         adapter_mode=mode,
         weight_bytes=loaded.weight_bytes,
         load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},
+        prequantized_cache=loaded.prequantized,
         batch_overhead_tokens=served.overhead_tokens,
         packed_batches=served.predictor.packs_batches,
         batch_max_logit_difference=served.batch_variance,

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from api.models.checkpoint import sha256_of
 from api.models.convert.staging import staged_folder
+from api.models.faults import one_line
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -44,7 +45,7 @@ def convert_gguf(
     except FileExistsError as exc:
         raise GgufError(f"{out_folder}: {exc.strerror}") from None
     except Exception as exc:  # transformers and gguf raise many types; each becomes one error
-        raise GgufError(f"{gguf_path}: cannot convert: {_one_line(exc)}") from None
+        raise GgufError(f"{gguf_path}: cannot convert: {one_line(exc)}") from None
     return out_folder
 
 
@@ -84,8 +85,3 @@ def write_folder(gguf_path: Path, folder: Path, dtype: torch.dtype) -> None:
     tokenizer.save_pretrained(folder)
     if not (folder / WEIGHTS_FILE).is_file():  # a sharded save would be read differently
         raise GgufError(f"{gguf_path}: conversion wrote no single {WEIGHTS_FILE}")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]
