@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 # for good, and every model or adapter built after that keeps uninitialised memory wherever
 # a checkpoint does not fill it (seen here: NaN logits). So one model is built at a time;
 # reading files, quantizing and warming up still overlap.
-_BUILD_LOCK = threading.Lock()
+BUILD_LOCK = threading.Lock()
 
 PHASES = ("resolve", "weights", "quantize", "adapters", "warmup")
 GIB = 1024**3
@@ -78,6 +78,8 @@ class LoadedModel:
     weight_bytes: int
     revision: str | None
     merged: bool = False
+    # Weights the base checkpoint lacks (a head it never had): an adapter must carry them.
+    missing_base_keys: list[str] = field(default_factory=list)
     # task causal-lm: the prompt each text is put in, and each label's word's first token.
     prompt: Prompt | None = None
     label_token_ids: list[int] | None = None
@@ -264,7 +266,7 @@ def load_model(
         tokenizer = _read_tokenizer(spec, folder)
 
     dtype = torch_dtype(spec.dtype, device)
-    with _BUILD_LOCK, timed(phases, "weights"):
+    with BUILD_LOCK, timed(phases, "weights"):
         model, missing_keys = _load_base(
             spec, settings, folder, config, dtype, quant_config, device, max_memory
         )
@@ -283,7 +285,7 @@ def load_model(
 
     adapter_digests: dict[str, AdapterDigests] = {}
     if spec.adapters:
-        with _BUILD_LOCK, timed(phases, "adapters"):
+        with BUILD_LOCK, timed(phases, "adapters"):
             try:
                 model, adapter_digests = attach_adapters(model, adapters, missing_keys)
             except AdapterError as exc:
@@ -299,8 +301,11 @@ def load_model(
     # One adapter on a float32 base: fold it into the weights, so serving costs no LoRA
     # matmuls. bitsandbytes bases stay unmerged (merging re-quantizes, and loses), and so do
     # bf16/fp16 ones: their 8 or 11 bits of mantissa round away much of a small LoRA delta.
+    # So does a model taking run-time adapters: they attach beside its own adapter, to the
+    # base weights; merged, the base would carry its adapter into every other one's answers.
     merged = (
         len(spec.adapters) == 1
+        and not spec.runtime_adapters
         and dtype == torch.float32
         and (
             spec.quantization == "dynamic-int8"
@@ -358,6 +363,7 @@ def load_model(
         max_memory=max_memory,
         revision=revision,
         merged=merged,
+        missing_base_keys=missing_keys,
         prompt=prompt,
         label_token_ids=label_token_ids,
         numerics=numerics,

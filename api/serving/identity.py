@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 
+from api.models.adapters import AdapterDigests
 from api.models.registry import ServedModel
 
 # The libraries whose kernels compute the numbers: a new release may round differently.
@@ -25,8 +26,14 @@ class AnswerIdentity:
     @classmethod
     def of(cls, served: ServedModel, adapter: str | None) -> AnswerIdentity:
         """The identity of `served` answering with `adapter` (None: a model without any)."""
+        digests = served.loaded.adapter_digests.get(adapter) if adapter is not None else None
+        return cls.with_adapter(served, digests)
+
+    @classmethod
+    def with_adapter(cls, served: ServedModel, digests: AdapterDigests | None) -> AnswerIdentity:
+        """The identity of `served` answering with the adapter of these digests (None: none);
+        an adapter loaded at run time has no name in the models file to look them up by."""
         loaded = served.loaded
-        digests = loaded.adapter_digests.get(adapter) if adapter is not None else None
         components: dict[str, object] = {
             "base": loaded.base_fingerprint,
             "adapter_weights": digests.weights if digests else None,
