@@ -91,7 +91,7 @@ def check_tensors(
 ) -> int:
     """Every tensor against the layer of the base it adapts or replaces; returns the rank."""
     ranks: dict[str, int] = {}
-    for key, tensor in tensors.items():
+    for key, tensor in sorted(tensors.items()):  # sorted: the same file, the same message
         if not key.startswith(PEFT_PREFIX):
             raise AdapterError(path, f"tensor {key} is not in peft's layout ({PEFT_PREFIX}…)")
         if not tensor.is_floating_point():
@@ -150,7 +150,9 @@ def _check_replaced(tensor: torch.Tensor, model: torch.nn.Module, key: str, path
         raise AdapterError(path, f"tensor {key} matches nothing in the base")
     if own.shape != tensor.shape:
         raise AdapterError(
-            path, f"{key} has shape {list(tensor.shape)}, the base's {list(own.shape)}"
+            path,
+            f"{key} has shape {list(tensor.shape)}, the base's {list(own.shape)} "
+            "(adapter for another base?)",
         )
 
 
