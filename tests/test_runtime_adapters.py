@@ -5,7 +5,10 @@ folder, and a restart. Every answer is checked against plain transformers + peft
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +35,7 @@ TEXTS = [
     for index in range(40)
 ]
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @dataclass(frozen=True)
@@ -407,3 +411,34 @@ def test_the_watched_folder_is_followed_and_a_restart_serves_the_same_set(
         assert after == before
         assert all(v3.gave(text, answer_of(predict(client, text, "alpha"))) for text in TEXTS)
         assert predict(client, TEXTS[0], "beta").status_code == 404
+
+
+# --- the README's example --------------------------------------------------------------------
+
+
+def test_the_readme_curl_example_runs_word_for_word(
+    tiny_bert: TinyModel, weights: dict[str, Weights], tmp_path: Path
+) -> None:
+    readme = README.read_text(encoding="utf-8")
+    part = readme[readme.index("## Adapters at run time") :]
+    found = re.search(r"```bash\n(.*?)```", part, re.DOTALL)
+    assert found is not None
+    v1 = weights["v1"]
+    with served(tiny_bert, tmp_path) as server:
+        script = found.group(1).replace("localhost:8000", server.url.removeprefix("http://"))
+        script = script.replace("/adapters/spam-v2", str(v1.folder))
+        run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    answers, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(run.stdout):  # curl -s prints each answer with no newline after it
+        answer, at = decoder.raw_decode(run.stdout, at)
+        answers.append(answer)
+    loaded, predicted, listed, unloaded = answers
+    assert (loaded["result"], loaded["adapter"]["pinned"]) == ("loaded", True)
+    text = "Txt STOP to 85069"
+    [expected] = reference(tiny_bert.base, v1.folder, [text]).values()
+    scores = {entry["label"]: entry["score"] for entry in predicted}
+    assert Weights(v1.folder, {text: expected}).gave(text, tuple(scores[k] for k in LABELS))
+    [model] = listed["models"]
+    assert [a["name"] for a in model["adapters"]] == ["spam", "spam-v2"]
+    assert unloaded["result"] == "unloaded"

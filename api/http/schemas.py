@@ -392,6 +392,9 @@ class AdapterLoaded(BaseModel):
     model: str
     result: Literal["loaded", "swapped", "unchanged"]
     seconds: float = Field(description="Time to read, check and attach it.")
+    attach_seconds: float = Field(
+        description="Of that, the time the model's forwards paused while it was attached."
+    )
     adapter: AdapterEntry
 
 

@@ -135,7 +135,8 @@ def attach_checked(model: torch.nn.Module, name: str, checked: CheckedAdapter) -
     except ValueError as exc:  # peft: "Target modules ... not found in the base model"
         raise AdapterError(weights, f"adapter does not fit this base: {exc}") from None
     try:
-        expected = get_peft_model_state_dict(model, adapter_name=name)
+        # Not "auto": that asks the model hub whether the base's vocabulary changed.
+        expected = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
         given = checked.tensors
         if set(expected) != set(given):
             raise AdapterError(weights, _mismatch(set(expected), set(given)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -51,7 +52,7 @@ class Version:
     retired: bool = False  # swapped out or unloaded: detached once its last lease is back
     leases: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while leases == 0
-    op: asyncio.Task[None] | None = None  # the last attach or detach scheduled
+    op: asyncio.Task[float] | None = None  # the last attach or detach scheduled
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -98,11 +99,13 @@ class AdapterInfo:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a load did (loaded, swapped or unchanged), to which adapter, in how long."""
+    """What a load did (loaded, swapped or unchanged), to which adapter, in how long, and how
+    long of that the model's forwards paused for the attach."""
 
     result: str
     adapter: AdapterInfo
     seconds: float
+    attach_seconds: float = 0.0
 
 
 class AdapterSet:
@@ -134,7 +137,7 @@ class AdapterSet:
         self._adapters: dict[str, RuntimeAdapter] = {}
         self._versions = 0
         self._changing = asyncio.Lock()  # one load or unload at a time
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[float]] = set()
         name = served.name
         for result in ADAPTER_LOAD_RESULTS:
             metrics.adapter_loads.labels(name, result)
@@ -187,7 +190,7 @@ class AdapterSet:
             raise
         return lease
 
-    async def _until_attached(self, name: str, op: asyncio.Task[None], deadline: float) -> None:
+    async def _until_attached(self, name: str, op: asyncio.Task[float], deadline: float) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(op), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -239,7 +242,7 @@ class AdapterSet:
                 identity = AnswerIdentity.with_adapter(self.served, checked.digests)
                 peft_name = f"{name}{VERSION_MARK}{self._versions}"
                 version = Version(peft_name, checked, identity, resident=True)
-                await self._schedule(version, attach=True)
+                attach_seconds = await self._schedule(version, attach=True)
             except Exception as exc:
                 self._count("refused")
                 reason = str(exc) if isinstance(exc, AdapterError) else _one_line(exc)
@@ -266,7 +269,8 @@ class AdapterSet:
                 seconds,
                 checked.digests.weights[:12],
             )
-            return LoadResult("loaded" if current is None else "swapped", self._info(name), seconds)
+            result = "loaded" if current is None else "swapped"
+            return LoadResult(result, self._info(name), seconds, attach_seconds)
 
     async def unload(self, name: str, source: Source) -> AdapterInfo:
         """Removes a run-time adapter: new requests get 404 at once; it is detached, and this
@@ -370,7 +374,7 @@ class AdapterSet:
             self._metrics.adapter_evictions.labels(self.served.name).inc()
             logger.info("model %s: adapter %s evicted", self.served.name, adapter.name)
 
-    def _schedule(self, version: Version, attach: bool) -> asyncio.Task[None]:
+    def _schedule(self, version: Version, attach: bool) -> asyncio.Task[float]:
         """Runs an attach or detach of `version` after the one scheduled before it."""
         task = asyncio.create_task(self._device_op(version, attach, version.op))
         version.op = task
@@ -380,8 +384,9 @@ class AdapterSet:
         return task
 
     async def _device_op(
-        self, version: Version, attach: bool, previous: asyncio.Task[None] | None
-    ) -> None:
+        self, version: Version, attach: bool, previous: asyncio.Task[float] | None
+    ) -> float:
+        """Runs the attach or detach on the device thread; returns its seconds there."""
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)
         predictor = self.served.predictor
@@ -393,7 +398,7 @@ class AdapterSet:
         loop = asyncio.get_running_loop()
         try:
             async with self._slot:  # the batchers' slot: no forward runs meanwhile
-                await loop.run_in_executor(self._device, call)
+                return await loop.run_in_executor(self._device, _timed, call)
         except Exception as exc:
             if attach:
                 version.resident = False
@@ -430,7 +435,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}"
 
 
-def _seen(task: asyncio.Task[None]) -> None:
+def _timed(call: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def _seen(task: asyncio.Task[float]) -> None:
     """Marks a device operation's failure as seen: whoever waited on it has been told."""
     if not task.cancelled():
         task.exception()

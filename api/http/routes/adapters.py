@@ -48,6 +48,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State) -> Adapt
         model=adapters.served.name,
         result=done.result,  # type: ignore[arg-type]
         seconds=round(done.seconds, 6),
+        attach_seconds=round(done.attach_seconds, 6),
         adapter=entry(done.adapter),
     )
 
