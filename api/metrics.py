@@ -20,6 +20,8 @@ PREFIX = "loraserve"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+ADAPTER_LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ADAPTER_LOAD_RESULTS = ("loaded", "swapped", "unchanged", "reloaded", "refused")
 # Every refused request is counted under the reason its status code stands for.
 REJECTION_REASON_BY_STATUS = {
     400: "invalid",
@@ -173,6 +175,33 @@ class Metrics:
             f"{p}_cascade_escalations", "Texts the cascade sent on to its second model", registry=r
         )
 
+        self.adapter_loads = Counter(
+            f"{p}_adapter_loads",
+            "Run-time adapter loads by result: loaded, swapped, unchanged, reloaded (after an "
+            "eviction), refused",
+            ["model", "result"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            f"{p}_adapter_load_seconds",
+            "Time to check and attach a run-time adapter read from its folder",
+            ["model"],
+            buckets=ADAPTER_LOAD_BUCKETS,
+            registry=r,
+        )
+        self.adapters_resident = Gauge(
+            f"{p}_adapters_resident",
+            "Run-time adapters attached to the model (evicted ones wait in CPU memory)",
+            ["model"],
+            registry=r,
+        )
+        self.adapter_evictions = Counter(
+            f"{p}_adapter_evictions",
+            "Run-time adapters evicted, least recently used first, past MAX_ADAPTERS_PER_MODEL",
+            ["model"],
+            registry=r,
+        )
+
         # Series that exist from the start, at 0, so rates and ratios are defined at once.
         self.requests_over_target.labels("/predict")
         for reason in set(REJECTION_REASON_BY_STATUS.values()):
@@ -202,6 +231,11 @@ DASHBOARD_METRICS = (
     "loraserve_cache_entries",
     "loraserve_cache_bytes",
     "loraserve_cascade_escalations_total",
+    "loraserve_adapter_loads_total",
+    "loraserve_adapter_load_seconds_sum",
+    "loraserve_adapter_load_seconds_count",
+    "loraserve_adapters_resident",
+    "loraserve_adapter_evictions_total",
     "process_resident_memory_bytes",
 )
 GPU_METRICS = ("loraserve_gpu_memory_allocated_bytes", "loraserve_gpu_memory_reserved_bytes")

@@ -239,6 +239,33 @@ class Settings(BaseSettings):
         "(admission by time); requests over it are counted.",
     )
 
+    # --- adapters at run time (models declared with runtime_adapters: true) ---
+    adapters_dir: Path | None = Field(
+        None,
+        description="Watched folder ADAPTERS_DIR/<model>/<adapter>/: adapters appearing, "
+        "changing or leaving it are loaded, swapped or unloaded; read again at start.",
+    )
+    adapters_poll_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="How often ADAPTERS_DIR is scanned; a change is acted on once it has "
+        "stood unchanged for one scan (a copy still being written waits).",
+    )
+    max_adapters_per_model: int = Field(
+        8,
+        ge=1,
+        description="Most run-time adapters attached per model; beyond it the least recently "
+        "used unpinned one is evicted to CPU memory and attached again on its next request.",
+    )
+    max_adapter_rank: int = Field(
+        64, ge=1, description="Largest LoRA rank a run-time adapter may have."
+    )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        description="When set, loading and unloading adapters needs this bearer key (API_KEY "
+        "does not open them); it opens every other route too.",
+    )
+
     @property
     def hub_cache(self) -> Path | None:
         """Where hub ids resolve: TRANSFORMERS_CACHE, else HF_HOME/hub, else the library's."""

@@ -26,7 +26,8 @@ BODIES = {
 
 @pytest.fixture
 def client(tiny_bert: TinyModel, tmp_path: object) -> Iterator[TestClient]:
-    app = create_app(make_settings(api_key=KEY, disk_cache_max_bytes=0), [spec_for(tiny_bert)])
+    spec = spec_for(tiny_bert, adapters=("spam",), runtime_adapters=True)
+    app = create_app(make_settings(api_key=KEY, disk_cache_max_bytes=0), [spec])
     with TestClient(app) as client:
         while client.get("/ready").status_code != 200:
             time.sleep(0.02)
@@ -52,7 +53,18 @@ def every_route(client: TestClient) -> list[tuple[str, str]]:
     ]
 
 
-def test_every_route_but_the_allow_list_needs_the_key(client: TestClient) -> None:
+def adapter_bodies(tiny: TinyModel) -> dict[str, dict[str, object]]:
+    """Bodies that load, then unload, a run-time adapter (the routes are walked in order)."""
+    return {
+        "/v1/load_lora_adapter": {"lora_name": "extra", "lora_path": str(tiny.adapters["promo"])},
+        "/v1/unload_lora_adapter": {"lora_name": "extra"},
+    }
+
+
+def test_every_route_but_the_allow_list_needs_the_key(
+    client: TestClient, tiny_bert: TinyModel
+) -> None:
+    bodies = {**BODIES, **adapter_bodies(tiny_bert)}
     routes = every_route(client)
     assert {path for _, path in routes} >= {
         "/predict",
@@ -64,7 +76,7 @@ def test_every_route_but_the_allow_list_needs_the_key(client: TestClient) -> Non
     assert {path for _, path in routes} >= {"/v2", "/v2/models/{name}/infer"}
     for method, template in routes:
         path = template.replace("{name}", "tiny")  # the served model: its routes answer 200
-        body = BODIES.get(path, {"inputs": "win"}) if method == "POST" else None
+        body = bodies.get(path, {"inputs": "win"}) if method == "POST" else None
         without = client.request(method, path, json=body)
         wrong = client.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
         right = client.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -79,6 +91,28 @@ def test_every_route_but_the_allow_list_needs_the_key(client: TestClient) -> Non
             shape = str if path.startswith("/v2") else dict
             assert isinstance(refused.json()["error"], shape), (method, path)
         assert right.status_code == 200, (method, path, right.text)
+
+
+def test_the_admin_key_alone_opens_the_routes_that_change_the_adapters(
+    tiny_bert: TinyModel,
+) -> None:
+    admin = "admin-key-for-tests"
+    spec = spec_for(tiny_bert, adapters=("spam",), runtime_adapters=True)
+    for api_key in (KEY, None):  # with an API key, and with none (predict open to all)
+        settings = make_settings(api_key=api_key, admin_api_key=admin, disk_cache_max_bytes=0)
+        with TestClient(create_app(settings, [spec])) as client:
+            while client.get("/ready").status_code != 200:
+                time.sleep(0.02)
+            as_user = {"Authorization": f"Bearer {KEY}"} if api_key else {}
+            as_admin = {"Authorization": f"Bearer {admin}"}
+            for path, body in adapter_bodies(tiny_bert).items():
+                refused = client.post(path, json=body, headers=as_user)
+                assert refused.status_code == 401, (api_key, path)
+                assert admin not in refused.text and KEY not in refused.text
+                assert client.post(path, json=body, headers=as_admin).status_code == 200, path
+            for headers in (as_user, as_admin):  # predict and the listing: either key
+                assert client.post("/predict", json={"inputs": "win"}, headers=headers).is_success
+                assert client.get("/v1/adapters", headers=headers).is_success
 
 
 def test_unknown_paths_need_the_key_too(client: TestClient) -> None:

@@ -257,8 +257,14 @@ def predictions(text: str) -> float:
 @pytest.fixture(scope="module")
 def stack(tiny_bert: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")
-    models = tiny_models_file(tmp, tiny_bert, adapters=("spam",))
-    env = {"MODELS_FILE": str(models), "DISK_CACHE_DIR": str(tmp / "cache")}
+    models = tiny_models_file(tmp, tiny_bert, adapters=("spam",), runtime_adapters=True)
+    # One run-time adapter in the watched folder, loaded at start: the adapter panels' data.
+    shutil.copytree(tiny_bert.adapters["promo"], tmp / "adapters" / "tiny" / "promo")
+    env = {
+        "MODELS_FILE": str(models),
+        "DISK_CACHE_DIR": str(tmp / "cache"),
+        "ADAPTERS_DIR": str(tmp / "adapters"),
+    }
     with pytest.MonkeyPatch.context() as patch:
         for name in SETTING_NAMES & set(os.environ):
             patch.delenv(name)  # the developer's own settings stay out of the server

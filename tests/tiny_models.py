@@ -182,7 +182,7 @@ def build_llama(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def build_adapter(base: Path, folder: Path, targets: list[str], seed: int) -> Path:
+def build_adapter(base: Path, folder: Path, targets: list[str], seed: int, rank: int = 4) -> Path:
     """A LoRA adapter with random (non-zero) weights and a trained-looking head."""
     model = AutoModelForSequenceClassification.from_pretrained(
         base,
@@ -195,8 +195,8 @@ def build_adapter(base: Path, folder: Path, targets: list[str], seed: int) -> Pa
     torch.manual_seed(seed)
     config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
-        r=4,
-        lora_alpha=8,
+        r=rank,
+        lora_alpha=2 * rank,
         target_modules=targets,
         init_lora_weights=False,
     )

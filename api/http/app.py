@@ -22,6 +22,8 @@ from api.models.faults import is_fatal_device_error
 from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
 from api.models.spec import ModelSpec, load_models_file
+from api.serving.adapter_folder import AdapterFolder
+from api.serving.adapters import AdapterSet
 from api.serving.admission import Admission
 from api.serving.batching import Batcher, BatchLimits, BatchStats
 from api.serving.cache import ResultCache
@@ -76,6 +78,7 @@ def create_app(
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(r.batcher.stop() for r in state.runners.values()))
+            await asyncio.gather(*(r.adapters.close() for r in state.runners.values()))
             registry.close()
             await state.cache.close()
 
@@ -90,8 +93,12 @@ def create_app(
     app.include_router(router)
     # Added last = runs first: metrics see every answer, 401s and 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyGuard, api_key=settings.api_key.get_secret_value())
+    if settings.api_key is not None or settings.admin_api_key is not None:
+        api_key, admin_key = (
+            None if key is None else key.get_secret_value()
+            for key in (settings.api_key, settings.admin_api_key)
+        )
+        app.add_middleware(ApiKeyGuard, api_key=api_key, admin_key=admin_key)
     app.add_middleware(RequestMetrics, state=state)
     return app
 
@@ -113,6 +120,7 @@ async def _load(
             first, second = (state.runners[name] for name in cascade)
             threshold = state.settings.cascade_threshold
             state.cascade = Cascade(first, second, threshold, state.metrics)
+        adapters_dir = await _read_adapters_dir(state)
     except Exception as exc:
         state.phase, state.error = Phase.FAILED, str(exc)
         logger.error("start-up failed: %s", exc)
@@ -123,6 +131,20 @@ async def _load(
         state.phase = Phase.READY
         state.metrics.ready.set(1)
         logger.info("ready: %s", ", ".join(state.registry.models))
+    if adapters_dir is not None:
+        await adapters_dir.run()  # until the lifespan cancels loading, at shutdown
+
+
+async def _read_adapters_dir(state: ServiceState) -> AdapterFolder | None:
+    """Loads what ADAPTERS_DIR holds, before the service turns ready: a restart serves the
+    same set. The folder is then followed until shutdown (None: no ADAPTERS_DIR)."""
+    root = state.settings.adapters_dir
+    if root is None:
+        return None
+    adapter_sets = {name: runner.adapters for name, runner in state.runners.items()}
+    folder = AdapterFolder(root, adapter_sets, state.settings.adapters_poll_seconds)
+    await folder.sync(settle=False)
+    return folder
 
 
 def _fail_device(state: ServiceState, on_fatal: FatalHandler | None, reason: str) -> None:
@@ -150,7 +172,15 @@ def _start_runners(state: ServiceState, on_device_failed: Callable[[str], None])
             enabled=state.settings.admission_control,
         )
         batcher = _batcher(state, served, executor, slot, admission, on_device_failed)
-        state.runners[served.name] = ModelRunner(served, batcher, admission)
+        adapters = AdapterSet(
+            served,
+            executor,
+            slot,
+            state.settings.max_adapters_per_model,
+            state.settings.max_adapter_rank,
+            state.metrics,
+        )
+        state.runners[served.name] = ModelRunner(served, batcher, admission, adapters)
         _report_model(state.metrics, served)
 
 

@@ -46,6 +46,13 @@ class NotFound(ServiceError):
     code = "not_found"
 
 
+class Conflict(ServiceError):
+    """A change the service's state refuses as it stands (an adapter the models file owns)."""
+
+    status_code = 409
+    code = "conflict"
+
+
 class PayloadTooLarge(ServiceError):
     status_code = 413
     code = "payload_too_large"

@@ -321,6 +321,94 @@ class OipInferenceResponse(BaseModel):
     outputs: list[OipResponseOutput]
 
 
+# --- adapters at run time, in vLLM's shapes: /v1/load_lora_adapter, /v1/unload_lora_adapter ---
+
+AdapterName = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter`: vLLM's body, plus `model`, `sha256` and `pinned`."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"lora_name": "spam-v2", "lora_path": "/adapters/v2"}]},
+    )
+
+    lora_name: AdapterName = Field(description="Name requests select it by (`adapter`).")
+    lora_path: Annotated[str, Field(min_length=1)] = Field(
+        description="Adapter folder on the server (adapter_config.json, adapter_model.safetensors)."
+    )
+    model: AdapterName | None = Field(
+        None, description="Model to attach it to; the first if unset."
+    )
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        None, description="Expected sha256 of adapter_model.safetensors; refused if it differs."
+    )
+    pinned: StrictBool = Field(False, description="Never evicted past MAX_ADAPTERS_PER_MODEL.")
+    load_inplace: StrictBool = Field(
+        False, description="vLLM's; a load always swaps a same-named adapter, atomically."
+    )
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter`: vLLM's body, plus `model`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: AdapterName
+    model: AdapterName | None = Field(None, description="Its model; the first if unset.")
+    lora_int_id: int | None = Field(None, description="vLLM's: accepted and not used.")
+
+
+class AdapterEntry(BaseModel):
+    """One adapter of a model, as `GET /v1/adapters` lists it."""
+
+    name: str
+    source: Literal["models_file", "api", "folder"] = Field(
+        description="models_file (there for good), api (/v1/load_lora_adapter) or folder "
+        "(ADAPTERS_DIR)."
+    )
+    path: str
+    digest: str | None = Field(description="sha256 of its weights file.")
+    rank: int | None = Field(description="LoRA rank (None: merged into the base).")
+    pinned: bool
+    resident: bool = Field(description="Attached now; false: evicted to CPU memory.")
+    loaded_at: str | None = Field(description="When it was loaded (UTC, ISO 8601).")
+    requests: int = Field(description="Requests that used it since it was loaded.")
+    identity: str = Field(description="The answer identity its cache entries are keyed by.")
+
+
+class ModelAdapters(BaseModel):
+    model: str
+    runtime_adapters: bool = Field(description="Takes adapters at run time.")
+    max_resident: int = Field(description="MAX_ADAPTERS_PER_MODEL.")
+    adapters: list[AdapterEntry]
+
+
+class AdaptersResponse(BaseModel):
+    """`GET /v1/adapters`: every model's adapters."""
+
+    models: list[ModelAdapters]
+
+
+class AdapterLoaded(BaseModel):
+    """What a load did: loaded (new), swapped (new weights for a name) or unchanged."""
+
+    model: str
+    result: Literal["loaded", "swapped", "unchanged"]
+    seconds: float = Field(description="Time to read, check and attach it.")
+    attach_seconds: float = Field(
+        description="Of that, the time the model's forwards paused while it was attached."
+    )
+    adapter: AdapterEntry
+
+
+class AdapterUnloaded(BaseModel):
+    model: str
+    result: Literal["unloaded"] = "unloaded"
+    adapter: AdapterEntry
+
+
 def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
     """`model`'s JSON schema with its `$defs` written in place, for an OpenAPI request body
     declared by hand (a route that reads its body itself: it may be binary)."""

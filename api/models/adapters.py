@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
-from peft.utils import get_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
 from api.models.checkpoint import CheckpointError, safetensors_tensor_names, sha256_of
 from api.models.spec import AdapterSpec
+
+# A run-time adapter's old version is detached while it may be peft's active adapter, which
+# peft then warns about on every swap and eviction; the predictor sets its adapter per batch.
+warnings.filterwarnings("ignore", message=r"Adapter .* was active which is now deleted")
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -33,6 +38,18 @@ class AdapterDigests:
 
     weights: str
     config: str
+
+
+@dataclass(frozen=True)
+class CheckedAdapter:
+    """An adapter read and checked against a loaded base (api.models.adapter_check), not yet
+    attached: its config, its tensors on the CPU in peft's layout, and its digests."""
+
+    folder: Path
+    config: LoraConfig
+    tensors: dict[str, torch.Tensor]
+    digests: AdapterDigests
+    rank: int
 
 
 def read_adapter_config(folder: Path) -> LoraConfig:
@@ -105,6 +122,39 @@ def attach_adapters(
         raise ValueError("attach_adapters needs at least one adapter")
     model.eval()
     return model, digests
+
+
+def attach_checked(model: torch.nn.Module, name: str, checked: CheckedAdapter) -> None:
+    """Attaches a checked adapter to a peft model under `name`. Refused, with nothing left
+    attached, where peft lays it out with other tensor names or shapes than it carries."""
+    weights = checked.folder / ADAPTER_WEIGHTS
+    if not isinstance(model, PeftModel):
+        raise AdapterError(weights, "the model is not served with peft: no adapter attaches")
+    try:
+        model.add_adapter(name, checked.config)
+    except ValueError as exc:  # peft: "Target modules ... not found in the base model"
+        raise AdapterError(weights, f"adapter does not fit this base: {exc}") from None
+    try:
+        # Not "auto": that asks the model hub whether the base's vocabulary changed.
+        expected = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
+        given = checked.tensors
+        if set(expected) != set(given):
+            raise AdapterError(weights, _mismatch(set(expected), set(given)))
+        if wrong := [key for key in given if given[key].shape != expected[key].shape]:
+            raise AdapterError(
+                weights, f"tensors of another shape than peft expects: {_few(wrong)}"
+            )
+        set_peft_model_state_dict(model, given, adapter_name=name)
+    except BaseException:
+        model.delete_adapter(name)
+        raise
+    model.eval()
+
+
+def detach(model: torch.nn.Module, name: str) -> None:
+    """Removes the adapter `name` from a peft model (nothing when it is not attached)."""
+    if isinstance(model, PeftModel) and name in model.peft_config:
+        model.delete_adapter(name)
 
 
 def _mismatch(expected: set[str], given: set[str]) -> str:

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 # for good, and every model or adapter built after that keeps uninitialised memory wherever
 # a checkpoint does not fill it (seen here: NaN logits). So one model is built at a time;
 # reading files, quantizing and warming up still overlap.
-_BUILD_LOCK = threading.Lock()
+BUILD_LOCK = threading.Lock()
 
 # save_quantized: writing the pre-quantized checkpoint, at the first start only.
 PHASES = ("resolve", "weights", "quantize", "save_quantized", "adapters", "warmup")
@@ -86,6 +86,8 @@ class LoadedModel:
     weight_bytes: int
     revision: str | None
     merged: bool = False
+    # Weights the base checkpoint lacks (a head it never had): an adapter must carry them.
+    missing_base_keys: list[str] = field(default_factory=list)
     # task causal-lm: the prompt each text is put in, and each label's word's first token.
     prompt: Prompt | None = None
     label_token_ids: list[int] | None = None
@@ -281,11 +283,11 @@ def load_model(
 
     model = None
     if entry is not None and recorded is not None:
-        with _BUILD_LOCK, timed(phases, "weights"):
+        with BUILD_LOCK, timed(phases, "weights"):
             model = _load_prequantized(entry, spec, settings, folder, dtype, device, max_memory)
         missing_keys, prequantized = recorded, "hit" if model is not None else "rebuilt"
     if model is None:
-        with _BUILD_LOCK, timed(phases, "weights"):
+        with BUILD_LOCK, timed(phases, "weights"):
             model, missing_keys = _load_base(
                 spec, settings, folder, config, dtype, quant_config, device, max_memory
             )
@@ -308,7 +310,7 @@ def load_model(
 
     adapter_digests: dict[str, AdapterDigests] = {}
     if spec.adapters:
-        with _BUILD_LOCK, timed(phases, "adapters"):
+        with BUILD_LOCK, timed(phases, "adapters"):
             try:
                 model, adapter_digests = attach_adapters(model, adapters, missing_keys)
             except AdapterError as exc:
@@ -324,8 +326,11 @@ def load_model(
     # One adapter on a float32 base: fold it into the weights, so serving costs no LoRA
     # matmuls. bitsandbytes bases stay unmerged (merging re-quantizes, and loses), and so do
     # bf16/fp16 ones: their 8 or 11 bits of mantissa round away much of a small LoRA delta.
+    # So does a model taking run-time adapters: they attach beside its own adapter, to the
+    # base weights; merged, the base would carry its adapter into every other one's answers.
     merged = (
         len(spec.adapters) == 1
+        and not spec.runtime_adapters
         and dtype == torch.float32
         and (
             spec.quantization == "dynamic-int8"
@@ -383,6 +388,7 @@ def load_model(
         max_memory=max_memory,
         revision=revision,
         merged=merged,
+        missing_base_keys=missing_keys,
         prompt=prompt,
         label_token_ids=label_token_ids,
         numerics=numerics,

@@ -11,7 +11,8 @@ from typing import Any, cast
 
 import torch
 
-from api.models.loader import LoadedModel
+from api.models.adapters import CheckedAdapter, attach_checked, detach
+from api.models.loader import BUILD_LOCK, LoadedModel
 from api.models.packing import PackedRunner, PackingUnsupported, tolerance
 from api.models.tokenizing import TextEncoder
 from api.models.warmup import warmup_batches
@@ -184,6 +185,22 @@ class Predictor:
         if self.loaded.device.type == "cuda":
             with torch.cuda.device(self.loaded.device):
                 torch.cuda.empty_cache()
+
+    def attach_adapter(self, name: str, checked: CheckedAdapter) -> None:
+        """Attaches a checked adapter under `name` (an AdapterError leaves none). Run it on the
+        thread that serves, between batches: peft rewires layers a forward may be using."""
+        with BUILD_LOCK:  # peft builds its layers with torch.nn.init: see the loader
+            try:
+                attach_checked(self.loaded.model, name, checked)
+            finally:
+                self._active_adapter = None  # whatever peft made active, set it again
+
+    def detach_adapter(self, name: str) -> None:
+        """Removes the adapter `name`. Run it on the thread that serves, between batches."""
+        try:
+            detach(self.loaded.model, name)
+        finally:
+            self._active_adapter = None
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """On GPU, copies from pinned host memory without blocking the CPU thread."""

@@ -47,6 +47,8 @@ class ServedModel:
     overhead_tokens: float | None = None  # the batch cost model's, see BatchLimits
     # Largest logit difference of a probe text alone and among batch-mates, measured at load.
     batch_variance: float | None = None
+    # Adapters loaded at run time, by name (api.serving.adapters keeps it current).
+    runtime_adapters: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -59,8 +61,8 @@ class ServedModel:
         """
         if name is None:
             return self.loaded.spec.active_default_adapter
-        if name not in self.loaded.adapters:
-            adapters = ", ".join(self.loaded.adapters) or "none"
+        if name not in self.loaded.adapters and name not in self.runtime_adapters:
+            adapters = ", ".join([*self.loaded.adapters, *sorted(self.runtime_adapters)]) or "none"
             raise UnknownName(f"model {self.name!r} has no adapter {name!r}; adapters: {adapters}")
         return name
 

@@ -103,6 +103,16 @@ class ModelSpec(BaseModel):
     default_adapter: str | None = Field(
         None, description="Adapter used when a request names none; the first one if unset."
     )
+    runtime_adapters: bool = Field(
+        False,
+        description="Accept adapters loaded at run time (the /v1 adapter routes, ADAPTERS_DIR); "
+        "its own adapters are then never merged into its weights.",
+    )
+    base_name: str | None = Field(
+        None,
+        description="The name adapters trained on this base give as base_model_name_or_path "
+        "(its hub id); run-time adapters must name it, the base as declared, or its folder.",
+    )
 
     @model_validator(mode="after")
     def _check_adapters(self) -> ModelSpec:
@@ -113,6 +123,13 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"model {self.name!r}: default_adapter {self.default_adapter!r} is not among "
                 f"its adapters {names}"
+            )
+        if self.runtime_adapters and (not self.adapters or self.quantization == "dynamic-int8"):
+            # Run-time adapters attach to the peft model that serves its own adapters: a model
+            # with none is no peft model, and dynamic int8 layers are none peft can wrap.
+            raise ValueError(
+                f"model {self.name!r}: runtime_adapters needs at least one adapter of its own "
+                "and a quantization other than dynamic-int8"
             )
         if self.labels is not None and len(set(self.labels)) != len(self.labels):
             raise ValueError(f"model {self.name!r}: labels repeat: {self.labels}")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from api.models.predictor import Scores
 from api.models.registry import ServedModel
+from api.serving.adapters import AdapterSet, Lease
 from api.serving.admission import Admission
 from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
@@ -40,17 +41,17 @@ def seconds_left(deadline: float) -> float:
 
 @dataclass
 class ModelRunner:
-    """A served model with its batcher: what a route calls to classify texts."""
+    """A served model with its batcher and adapters: what a route calls to classify texts."""
 
     served: ServedModel
     batcher: Batcher[Scores]
     admission: Admission
-    # One per adapter (None: a model without adapters), built once when the model is served.
-    identities: dict[str | None, AnswerIdentity] = field(init=False)
+    adapters: AdapterSet
 
-    def __post_init__(self) -> None:
-        adapters: list[str | None] = [*self.served.loaded.adapters] or [None]
-        self.identities = {name: AnswerIdentity.of(self.served, name) for name in adapters}
+    @property
+    def identities(self) -> dict[str | None, AnswerIdentity]:
+        """Per adapter (None: a model without adapters), what identifies its answers."""
+        return self.adapters.identities()
 
     async def classify(
         self,
@@ -62,11 +63,26 @@ class ModelRunner:
     ) -> Classified:
         """Scores the texts with the adapter named (None: the model's default), asking the
         model only for those no cache tier holds, all before `deadline` (monotonic clock)."""
-        adapter = self.served.adapter_for(adapter)
+        # Held until answered: a swap or unload meanwhile leaves this request's weights be.
+        lease = await self.adapters.lease(self.served.adapter_for(adapter), deadline)
+        try:
+            return await self._classify(texts, lease, truncate, cache, deadline)
+        finally:
+            self.adapters.release(lease)
+
+    async def _classify(
+        self,
+        texts: list[str],
+        lease: Lease,
+        truncate: bool,
+        cache: ResultCache | None,
+        deadline: float,
+    ) -> Classified:
+        adapter = lease.adapter
         if cache is None or not cache.enabled:
             scores = await self._compute(texts, adapter, truncate, deadline)
             return Classified(scores, ["model"] * len(texts))
-        identity = self.identities[adapter].digest
+        identity = lease.identity.digest
         keys = [cache_key(identity, truncate, text) for text in texts]
         found = await cache.lookup(keys)
         missing = [index for index, entry in enumerate(found.entries) if entry is None]

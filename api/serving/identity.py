@@ -7,6 +7,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from api.models.adapters import AdapterDigests
 from api.models.registry import ServedModel
 from api.models.versions import library_versions
 
@@ -21,8 +22,14 @@ class AnswerIdentity:
     @classmethod
     def of(cls, served: ServedModel, adapter: str | None) -> AnswerIdentity:
         """The identity of `served` answering with `adapter` (None: a model without any)."""
+        digests = served.loaded.adapter_digests.get(adapter) if adapter is not None else None
+        return cls.with_adapter(served, digests)
+
+    @classmethod
+    def with_adapter(cls, served: ServedModel, digests: AdapterDigests | None) -> AnswerIdentity:
+        """The identity of `served` answering with the adapter of these digests (None: none);
+        an adapter loaded at run time has no name in the models file to look them up by."""
         loaded = served.loaded
-        digests = loaded.adapter_digests.get(adapter) if adapter is not None else None
         components: dict[str, object] = {
             "base": loaded.base_fingerprint,
             "adapter_weights": digests.weights if digests else None,

@@ -1,4 +1,5 @@
-"""Optional API key: every path but an explicit allow-list needs `Authorization: Bearer`."""
+"""Optional API keys: every path but an explicit allow-list needs `Authorization: Bearer`;
+an admin key, when set, alone opens the routes that change what is served."""
 
 from __future__ import annotations
 
@@ -10,26 +11,42 @@ from api.http.errors import Unauthorized
 
 # Probes and scrapers carry no key: these answer without one, and hold nothing secret.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
+# Routes that change what is served: ADMIN_API_KEY's, where it is set.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class ApiKeyGuard:
-    """Refuses requests without the key with 401 and `WWW-Authenticate: Bearer`.
+    """Refuses requests without the right key with 401 and `WWW-Authenticate: Bearer`.
 
-    A middleware rather than a route dependency, so a route added later cannot forget it.
-    The key is compared in constant time and never written to logs or error bodies.
+    With `api_key`, every path but OPEN_PATHS needs it (or the admin key); with `admin_key`,
+    ADMIN_PATHS need that one, and the API key does not open them. A middleware rather than
+    a route dependency, so a route added later cannot forget it. Keys are compared in
+    constant time and never written to logs or error bodies.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None = None) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._api = _bearer(api_key)
+        self._admin = _bearer(admin_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        accepted: list[bytes] = []  # none: open (no API key, and not an admin path)
+        if scope["path"] in ADMIN_PATHS and self._admin is not None:
+            accepted = [self._admin]
+        elif self._api is not None:
+            accepted = [key for key in (self._api, self._admin) if key is not None]
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        # Every key compared, whichever matches, so the time taken tells nothing.
+        matches = [hmac.compare_digest(given, key) for key in accepted]
+        if not accepted or any(matches):
             await self.app(scope, receive, send)
             return
         reason = "missing API key" if not given else "wrong API key"
         await Unauthorized(reason).response(scope["path"])(scope, receive, send)
+
+
+def _bearer(key: str | None) -> bytes | None:
+    return f"Bearer {key}".encode() if key is not None else None

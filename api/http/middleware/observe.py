@@ -23,6 +23,9 @@ ROUTES = frozenset(
         "/v2",
         "/v2/health/live",
         "/v2/health/ready",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/v1/adapters",
     }
 )
 # The Open Inference Protocol's per-model paths, by what follows `/v2/models/{name}`: one

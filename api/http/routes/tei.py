@@ -189,6 +189,8 @@ async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
         raise DeadlineExceeded(str(exc)) from None
     except BatchFailed as exc:
         raise InferenceFailed(f"inference failed: {exc}", RETRY_SOON) from None
+    except UnknownName as exc:  # an adapter unloaded between the route's check and its batch
+        raise NotFound(str(exc)) from None
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
