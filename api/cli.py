@@ -17,6 +17,8 @@ from api.models.spec import ModelsFileError, load_models_file
 from api.serving.cascade import CascadeError
 from api.settings import Settings, SettingsError, load_settings
 
+logger = logging.getLogger(__name__)
+
 EXIT_BAD_SETTINGS = 2
 EXIT_LOAD_FAILED = 1
 EXIT_DEVICE_FAILED = 3
@@ -66,9 +68,20 @@ class Server(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         assert self.service is not None
-        deadline = time.monotonic() + self.drain_seconds
+        started = time.monotonic()
+        deadline = started + self.drain_seconds
         while self.service.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.service.in_flight:
+            logger.warning(
+                "drain: DRAIN_SECONDS (%g s) ran out with %d accepted requests unanswered",
+                self.drain_seconds,
+                self.service.in_flight,
+            )
+        else:
+            logger.info(
+                "drained in %.2f s: every accepted request answered", time.monotonic() - started
+            )
         self.should_exit = True
 
 

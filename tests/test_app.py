@@ -9,9 +9,14 @@ from collections.abc import Iterator
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from starlette.types import Message, Receive, Scope, Send
 
 from api.http.app import create_app
+from api.http.middleware.observe import RequestMetrics
+from api.http.state import Phase, ServiceState
+from api.metrics import Metrics
 from api.models.loader import PHASES
+from api.models.registry import Registry
 from tests.conftest import make_settings, spec_for, wait_ready
 from tests.tiny_models import TinyModel
 
@@ -177,3 +182,29 @@ def test_a_model_that_fails_to_load_fails_the_service(tiny_bert: TinyModel) -> N
         response = client.get("/ready")
     assert failures and "head would be random" in str(failures[0])
     assert response.status_code == 503 and response.json()["status"] == "failed"
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+async def test_the_drain_waits_only_for_requests_accepted_before_it(phase: Phase) -> None:
+    """A request arriving while the service drains (or has failed) is refused at once; were it
+    counted, clients retrying through the drain would hold it open until DRAIN_SECONDS."""
+    settings = make_settings()
+    metrics = Metrics(settings.latency_target_seconds)
+    state = ServiceState(settings, Registry([], settings), metrics, phase=phase)
+    counted: list[int] = []
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        counted.append(state.in_flight)
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/predict"}
+    await RequestMetrics(route, state)(scope, receive, send)
+    assert counted == [0 if phase in (Phase.DRAINING, Phase.FAILED) else 1]
+    assert state.in_flight == 0

@@ -1,9 +1,10 @@
 """The compose stack, checked with the real tools: Prometheus, promtool, the compose spec, hadolint.
 
-No Docker engine runs here, so the stack's parts are checked one by one: a real Prometheus,
-started with the project's own scrape config and alert rules, scrapes the real server after
-traffic; every dashboard expression must parse, name only metrics the service exports, and
-return data from that Prometheus. A missing tool fails the test and says how to install it.
+tests/test_stack.py runs the stack in Docker, but without Grafana (no package here), so the
+stack's parts are also checked one by one: a real Prometheus, started with the project's own
+scrape config and alert rules, scrapes the real server after traffic; every dashboard
+expression must parse, name only metrics the service exports, and return data from that
+Prometheus. A missing tool fails the test and says how to install it.
 """
 
 from __future__ import annotations

@@ -363,6 +363,7 @@ def test_503_while_loading_then_sigterm_under_load_drains_and_exits_0(tmp_path: 
         assert statuses == [200] * 6
         assert code == 0
         assert elapsed < 20 + 5
+        assert "drained in" in server.log()  # every accepted request answered, not timed out
         with pytest.raises(httpx.ConnectError):  # once it has gone, nothing listens
             httpx.get(f"{server.url}/health", timeout=5)
 
@@ -380,6 +381,7 @@ def test_drain_time_bounds_the_shutdown(embedded: ServerProcess) -> None:
             future.exception()  # those cut off fail on the client; none may hang
     assert code == 0
     assert elapsed < 1 + 5
+    assert "accepted requests unanswered" in embedded.log()
 
 
 # --- damaged checkpoints ---

@@ -32,7 +32,7 @@ class ServiceState:
     error: str | None = None
     runners: dict[str, ModelRunner] = field(default_factory=dict)
     cascade: Cascade | None = None
-    in_flight: int = 0  # HTTP requests being handled, for the drain on shutdown
+    in_flight: int = 0  # HTTP requests accepted before any drain began, for the drain
 
     @property
     def serving(self) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.http.state import ServiceState
+from api.http.state import Phase, ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
@@ -87,14 +87,20 @@ class RequestMetrics:
                 status = message["status"]
             await send(message)
 
+        # The drain waits for the requests accepted before it began. One that arrives once the
+        # service stopped taking work is refused at once; counted, a steady stream of them
+        # (clients retrying) would hold the drain open until DRAIN_SECONDS ran out.
+        holds_drain = self.state.phase not in (Phase.DRAINING, Phase.FAILED)
         self.metrics.requests_in_flight.inc()
-        self.state.in_flight += 1
+        if holds_drain:
+            self.state.in_flight += 1
         try:
             await self.app(scope, receive, record_status)
         finally:
             elapsed = time.perf_counter() - started
             self.metrics.requests_in_flight.dec()
-            self.state.in_flight -= 1
+            if holds_drain:
+                self.state.in_flight -= 1
             duration, count = self.series(route, status)
             duration.observe(elapsed)
             count.inc()
