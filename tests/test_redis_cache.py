@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import diskcache
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from redis.asyncio.connection import DefaultParser
@@ -228,16 +229,12 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(
     texts = sms_texts(40)
     with run_server(env, tmp_path) as server:
         server.wait_ready()
-        hits_at_restart: list[float] = []
 
         def outage() -> None:
             time.sleep(3)
             redis_server.kill()
             time.sleep(2.5)
             redis_server.start()
-            hits_at_restart.append(
-                metric(server.url, "loraserve_cache_lookups_total", tier="redis", result="hit")
-            )
 
         thread = threading.Thread(target=outage)
         thread.start()
@@ -248,15 +245,21 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(
             server.url, "loraserve_cache_lookups_total", tier="redis", result="skipped"
         )
         faults = metric(server.url, "loraserve_cache_errors_total", tier="redis")
+
+        def repeat_is_a_redis_hit() -> bool:
+            first = httpx.post(f"{server.url}/predict", json={"inputs": TEXT}, timeout=30)
+            again = httpx.post(f"{server.url}/predict", json={"inputs": TEXT}, timeout=30)
+            assert first.status_code == again.status_code == 200
+            return again.headers["X-Cache"] == "lru=0,disk=0,redis=1,model=0"
+
+        # The restarted Redis is empty: once a probe finds it, answers are written and read.
+        wait_for(repeat_is_a_redis_hit, 15, "a Redis hit after the restart")
         up = metric(server.url, "loraserve_cache_tier_up", tier="redis")
-        stored = redis_server.client().dbsize()
     summary = result.summary()
     assert result.statuses and set(result.statuses) == {200}, summary
     assert result.transport_errors == 0, summary
-    assert faults > 0 and skipped > 0, (faults, skipped)
+    assert hits > 0 and faults > 0 and skipped > 0, (hits, faults, skipped)
     assert up == 1
-    assert 0 < stored <= len(texts)
-    assert hits > hits_at_restart[0], "no Redis hit after the restart"
 
 
 def test_redis_settings_are_checked() -> None:
