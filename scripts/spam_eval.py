@@ -125,8 +125,9 @@ def threshold_cost(
 
 
 def candidate_thresholds(values: Sequence[float]) -> list[float]:
-    """0.5 and the midpoints between consecutive distinct values, rounded, inside (0, 1)."""
-    ordered = sorted(set(values))
+    """0.5 and the midpoints between consecutive distinct values (and 0 below them, 1 above
+    them: blocking every text, or none), rounded, inside (0, 1)."""
+    ordered = sorted({0.0, 1.0, *values})
     low, high = 10.0**-THRESHOLD_DECIMALS, 1.0 - 10.0**-THRESHOLD_DECIMALS
     mids = {round((a + b) / 2, THRESHOLD_DECIMALS) for a, b in itertools.pairwise(ordered)}
     return sorted({0.5} | {min(max(m, low), high) for m in mids})
