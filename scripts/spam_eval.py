@@ -200,23 +200,34 @@ def evaluate_fixed(
     return {"threshold": threshold, "results": results, "lookalike": slices}
 
 
+def evaluate_chosen(
+    score: Scorer, corpora: dict[str, SpamSplits], trained_on: Sequence[str], seed: int
+) -> dict[str, Any]:
+    """evaluate_fixed at the threshold chosen on the validation texts of every corpus, with
+    the validation metrics per corpus at that threshold."""
+    validation = joined(corpora, CORPORA, seed).validation
+    probabilities = score(validation)
+    choice = choose_decision_threshold(validation, probabilities)
+    report = evaluate_fixed(score, corpora, choice["threshold"], trained_on)
+    report["decision_threshold"] = choice
+    report["validation"] = {}
+    for corpus in CORPORA:
+        pairs = [
+            (r, p) for r, p in zip(validation, probabilities, strict=True) if r.corpus == corpus
+        ]
+        report["validation"][corpus] = metrics_at(
+            [r for r, _ in pairs], [p for _, p in pairs], choice["threshold"]
+        )
+    return report
+
+
 def evaluate_suite(
     corpora: dict[str, SpamSplits], fit: Callable[[SpamSplits, str], Trained], seed: int
 ) -> tuple[dict[str, Any], Trained]:
     """Fits the model on every corpus (the one shipped) and once without each corpus; each
     fit chooses its threshold on its own validation texts. Returns (report, shipped model)."""
     main = fit(joined(corpora, CORPORA, seed), "every corpus")
-    validation = joined(corpora, CORPORA, seed).validation
-    choice = choose_decision_threshold(validation, main.score(validation))
-    threshold = choice["threshold"]
-    report = evaluate_fixed(main.score, corpora, threshold, trained_on=CORPORA)
-    report["decision_threshold"] = choice
-    report["validation"] = {
-        corpus: metrics_at(
-            corpora[corpus].validation, main.score(corpora[corpus].validation), threshold
-        )
-        for corpus in CORPORA
-    }
+    report = evaluate_chosen(main.score, corpora, CORPORA, seed)
     report["leave_one_out"] = {}
     for held_out in CORPORA:
         others = [c for c in CORPORA if c != held_out]

@@ -74,9 +74,9 @@ from scripts.spam_data import (
 from scripts.spam_eval import (
     EVALUATIONS,
     Trained,
-    choose_decision_threshold,
     comparison_table,
     compute_metrics,
+    evaluate_chosen,
     evaluate_fixed,
     evaluate_suite,
     lookalike,
@@ -456,26 +456,6 @@ def record_previous(
     path.write_text(json.dumps(previous, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {path}: {json.dumps(previous['results'])}", flush=True)
     return path
-
-
-def fixed_evaluation(
-    trained: Trained, corpora: dict[str, SpamSplits], trained_on: Sequence[str], seed: int
-) -> dict[str, Any]:
-    """The suite for an adapter already trained: its threshold chosen on validation texts
-    of both corpora, scored on every split it did not train on."""
-    validation = joined(corpora, CORPORA, seed).validation
-    chosen = choose_decision_threshold(validation, trained.score(validation))
-    evaluation = evaluate_fixed(trained.score, corpora, chosen["threshold"], trained_on)
-    evaluation["decision_threshold"] = chosen
-    evaluation["validation"] = {
-        corpus: metrics_at(
-            corpora[corpus].validation,
-            trained.score(corpora[corpus].validation),
-            chosen["threshold"],
-        )
-        for corpus in CORPORA
-    }
-    return evaluation
 
 
 def legacy_training(report: dict[str, Any]) -> dict[str, Any]:
@@ -874,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Reports written before the PH set trained on the SMS Spam Collection alone.
         trained_on = report.setdefault("trained_on", [SMS])
         trained = load_adapter(base_dir, out_dir / "adapter", hp)
-        report["evaluation"] = fixed_evaluation(trained, corpora, trained_on, hp.seed)
+        report["evaluation"] = evaluate_chosen(trained.score, corpora, trained_on, hp.seed)
         del trained
     else:
         report = train_suite(hp, corpora, base_dir, out_dir)
