@@ -586,7 +586,7 @@ def data_section(data: dict[str, Any]) -> str:
   came unsolicited from unknown senders (gambling lures, account-verification phishing) and
   treats the rest as legitimate, wanted messages: `ads` is marketing from businesses the
   person is a customer of, `gov` public-service announcements, `notifs` notifications. A
-  filter that blocks those blocks mail its user asked for, which is the failure users
+  filter that blocks those blocks messages its user asked for, the failure users
   notice first; so they are ham, even where the words look promotional. The SMS Spam
   Collection's spam stays spam: unsolicited promotions from unknown senders are spam in both.
 - Exact duplicates are counted once; no text is in two splits, and none is shared between
