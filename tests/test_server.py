@@ -54,6 +54,13 @@ def chosen(model: str, *keys: str) -> object:
     return value
 
 
+def threshold(model: str) -> object:
+    """The decision threshold the model's training run chose; None before runs chose one."""
+    report = chosen(model)
+    assert isinstance(report, dict)
+    return report.get("evaluation", {}).get("decision_threshold", {}).get("threshold")
+
+
 SPAM = "WINNER!! Claim your free prize now, call 09061701461"
 HAM = "Are we still meeting for lunch tomorrow?"
 
@@ -83,7 +90,10 @@ def test_embedded_default_models_tell_spam_from_ham(tmp_path: Path) -> None:
         assert info["cascade"] == {
             "first": "spam-minilm",
             "second": "spam-smollm2",
-            "threshold": chosen("spam-smollm2", "cascade", "threshold"),
+            "threshold": round(float(chosen("spam-smollm2", "cascade", "threshold")), 6),  # type: ignore[arg-type]
             "threshold_source": "models file",
+        }
+        assert info["decision_thresholds"] == {
+            name: threshold(name) for name in ("spam-minilm", "spam-smollm2")
         }
         assert server.stop() == 0

@@ -3,16 +3,19 @@ by /info; and the embedded models file holds the thresholds its training runs ch
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from fastapi.testclient import TestClient
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from api.http.app import create_app
+from api.models.spec import EMBEDDED_MODELS_FILE, ModelSpec
 from tests.conftest import make_settings, spec_for, wait_ready
 from tests.tiny_models import LABELS, TinyModel, write_models_file
 
@@ -113,3 +116,19 @@ def test_a_decision_threshold_needs_two_labels(tiny_bert: TinyModel) -> None:
             spec_for(tiny_bert, decision_threshold=outside)
     with pytest.raises(ValueError, match="cascade_threshold"):
         spec_for(tiny_bert, cascade_threshold=0.4)
+
+
+def test_the_embedded_models_file_holds_what_the_training_runs_chose() -> None:
+    declared = {
+        m["name"]: ModelSpec.model_validate(m)
+        for m in yaml.safe_load(EMBEDDED_MODELS_FILE.read_text(encoding="utf-8"))["models"]
+    }
+    for name, model in declared.items():
+        report = json.loads((EMBEDDED_MODELS_FILE.parent / name / "eval.json").read_text())
+        assert model.adapters[0].sha256 == report["adapter"]["sha256"], name
+        # A model scored before thresholds were chosen was served, and is, at the argmax.
+        chosen = report.get("evaluation", {}).get("decision_threshold", {}).get("threshold")
+        assert model.decision_threshold == chosen, name
+    llm = json.loads((EMBEDDED_MODELS_FILE.parent / "spam-smollm2" / "eval.json").read_text())
+    encoder = declared["spam-minilm"]
+    assert encoder.cascade_threshold == round(llm["cascade"]["threshold"], 6)
