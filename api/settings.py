@@ -217,14 +217,12 @@ class Settings(BaseSettings):
     cascade_second_model: str | None = Field(
         None, description="Cascade's second model; unset: the second declared, if any."
     )
-    # The embedded pair's threshold, chosen on validation data by scripts/train_llm_adapter.py
-    # (artifacts/spam-smollm2/eval.json: 0.8777562...), cut to 6 places without changing
-    # which validation texts go on. Refit it for your own models.
-    cascade_threshold: float = Field(
-        0.877756,
+    cascade_threshold: float | None = Field(
+        None,
         ge=0.5,
         le=1.0,
-        description="Texts whose top probability from the first model is below this go on.",
+        description="Texts whose top probability from the first model is below this go on; "
+        "unset: the first model's cascade_threshold in the models file, else 0.9.",
     )
 
     admission_control: bool = Field(

@@ -40,7 +40,7 @@ from bench.throughput import (
     write_bodies,
 )
 from scripts.spam_data import LABELS, LabelledText, load_splits
-from scripts.train_spam_adapter import compute_metrics
+from scripts.spam_eval import compute_metrics
 
 TARGETS = ("spam-minilm", "spam-smollm2", "cascade")
 CLIENTS = 32

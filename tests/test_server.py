@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
 
+from api.models.spec import EMBEDDED_MODELS_FILE
 from tests.server_process import run_server
 from tests.tiny_models import TinyModel, tiny_models_file
 
@@ -44,6 +46,21 @@ def test_server_refuses_invalid_settings_naming_them(tmp_path: Path) -> None:
         assert "MAX_TEXTS_PER_REQUEST" in server.log()
 
 
+def chosen(model: str, *keys: str) -> object:
+    """A value the model's training run wrote into its eval.json."""
+    value: object = json.loads((EMBEDDED_MODELS_FILE.parent / model / "eval.json").read_text())
+    for key in keys:
+        value = value[key]  # type: ignore[index]
+    return value
+
+
+def threshold(model: str) -> object:
+    """The decision threshold the model's training run chose; None before runs chose one."""
+    report = chosen(model)
+    assert isinstance(report, dict)
+    return report.get("evaluation", {}).get("decision_threshold", {}).get("threshold")
+
+
 SPAM = "WINNER!! Claim your free prize now, call 09061701461"
 HAM = "Are we still meeting for lunch tomorrow?"
 
@@ -68,6 +85,15 @@ def test_embedded_default_models_tell_spam_from_ham(tmp_path: Path) -> None:
         assert llm["architecture"] == "LlamaForSequenceClassification"
         assert llm["quantization"] == "nf4" and llm["adapter_mode"] == "unmerged"
         assert llm["adapters"] == ["spam"] and llm["load_seconds"]["warmup"] > 0
-        cascade = httpx.get(f"{server.url}/info").json()["cascade"]
-        assert cascade == {"first": "spam-minilm", "second": "spam-smollm2", "threshold": 0.877756}
+        info = httpx.get(f"{server.url}/info").json()
+        # The thresholds the training runs chose (their eval.json), as the models file keeps them.
+        assert info["cascade"] == {
+            "first": "spam-minilm",
+            "second": "spam-smollm2",
+            "threshold": round(float(chosen("spam-smollm2", "cascade", "threshold")), 6),  # type: ignore[arg-type]
+            "threshold_source": "models file",
+        }
+        assert info["decision_thresholds"] == {
+            name: threshold(name) for name in ("spam-minilm", "spam-smollm2")
+        }
         assert server.stop() == 0

@@ -27,7 +27,7 @@ from api.serving.adapters import AdapterSet
 from api.serving.admission import Admission
 from api.serving.batching import Batcher, BatchLimits, BatchStats
 from api.serving.cache import ResultCache
-from api.serving.cascade import Cascade, cascade_models
+from api.serving.cascade import Cascade, cascade_models, cascade_threshold
 from api.serving.classify import ModelRunner
 from api.settings import Settings
 
@@ -118,8 +118,8 @@ async def _load(
         _start_runners(state, device_failed)
         if cascade is not None:
             first, second = (state.runners[name] for name in cascade)
-            threshold = state.settings.cascade_threshold
-            state.cascade = Cascade(first, second, threshold, state.metrics)
+            threshold, source = cascade_threshold(state.settings, first.served.loaded.spec)
+            state.cascade = Cascade(first, second, threshold, state.metrics, source)
         adapters_dir = await _read_adapters_dir(state)
     except Exception as exc:
         state.phase, state.error = Phase.FAILED, str(exc)

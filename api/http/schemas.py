@@ -192,6 +192,10 @@ class CascadeInfo(BaseModel):
     first: str
     second: str
     threshold: float
+    threshold_source: str = Field(
+        description="CASCADE_THRESHOLD, models file (the first model's cascade_threshold), "
+        "or fallback."
+    )
 
 
 class ClassifierType(BaseModel):
@@ -223,6 +227,11 @@ class InfoResponse(BaseModel):
     max_body_bytes: int
     latency_target_seconds: float
     cascade: CascadeInfo | None = None
+    decision_thresholds: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="Each model's decision_threshold from the models file: its second label "
+        "wins above it; null: the top probability wins (0.5 for two labels).",
+    )
 
 
 # --- the Open Inference Protocol (KServe v2), /v2/... ---

@@ -354,6 +354,15 @@ def load_model(
     else:
         labels = [config.id2label[index] for index in range(config.num_labels)]
     problem_type = config.problem_type or "single_label_classification"
+    if spec.decision_threshold is not None and (
+        len(labels) != 2 or problem_type != "single_label_classification"
+    ):
+        raise LoadError(
+            spec.name,
+            folder,
+            f"decision_threshold needs a two-label softmax classifier, not {len(labels)} "
+            f"labels ({problem_type})",
+        )
     numerics: dict[str, object] = {
         "quantization": spec.quantization,
         "dtype": str(dtype),
@@ -370,6 +379,7 @@ def load_model(
         "chat_template": spec.chat_template,
         "label_words": spec.label_words,
         "label_token_ids": label_token_ids,
+        "decision_threshold": spec.decision_threshold,
     }
     return LoadedModel(
         spec=spec,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,6 +57,19 @@ class Scores:
     logits: tuple[float, ...]
 
 
+def decision_offset(threshold: float | None) -> float:
+    """What a two-label model's second logit loses so that its softmax probability passes 0.5
+    exactly where the model's own passes `threshold`: logit(threshold); 0 when unset.
+
+    The served model is the trained one with its head's second bias lowered by this: scores
+    stay a monotone function of the model's, the top label is the decision, and a cascade's
+    "unsure" means near the decision, not near 0.5.
+    """
+    if threshold is None:
+        return 0.0
+    return math.log(threshold / (1.0 - threshold))
+
+
 class Predictor:
     """Runs one loaded model. Not thread-safe: one batch at a time per model."""
 
@@ -67,6 +81,7 @@ class Predictor:
         self._tokenizer = loaded.tokenizer
         self._encoder = TextEncoder(loaded.tokenizer, self.max_length)
         self._sigmoid = loaded.problem_type == "multi_label_classification"
+        self._second_label_offset = decision_offset(loaded.spec.decision_threshold)
         # Tokens that say nothing of the text ([CLS], [SEP], <s>...); [UNK] stands for text.
         self._special_ids = frozenset(self._tokenizer.all_special_ids) - {
             self._tokenizer.unk_token_id
@@ -158,6 +173,8 @@ class Predictor:
         A row whose scores are not all finite comes back as a NonFiniteScores error, alone.
         """
         logits = self._logits(batch, adapters).float()
+        if self._second_label_offset:
+            logits[:, 1] -= self._second_label_offset
         probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         return [

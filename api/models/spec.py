@@ -91,6 +91,20 @@ class ModelSpec(BaseModel):
         None, description="4-bit compute dtype; unset is bfloat16 on GPU, float32 on CPU."
     )
     labels: list[str] | None = Field(None, description="Labels in class-index order.")
+    decision_threshold: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Two labels: the second wins when the model gives it more than this "
+        "probability; served scores are re-centred on it (see predictor). Unset: 0.5.",
+    )
+    cascade_threshold: float | None = Field(
+        None,
+        ge=0.5,
+        le=1,
+        description="As the cascade's first model: texts whose top probability is below this "
+        "go on to the second model (CASCADE_THRESHOLD overrides it).",
+    )
     max_length: int = Field(512, ge=1, le=32768, description="Tokens kept after truncation.")
     trust_remote_code: bool = Field(False, description="Run the checkpoint's own model code.")
     weights_sha256: dict[str, str] = Field(
@@ -133,6 +147,9 @@ class ModelSpec(BaseModel):
             )
         if self.labels is not None and len(set(self.labels)) != len(self.labels):
             raise ValueError(f"model {self.name!r}: labels repeat: {self.labels}")
+        two_labels = self.labels is None or len(self.labels) == 2
+        if self.decision_threshold is not None and not two_labels:
+            raise ValueError(f"model {self.name!r}: a decision_threshold needs two labels")
         causal = (self.prompt, self.label_words, self.chat_template)
         if self.task == "text-classification" and any(causal):
             raise ValueError(

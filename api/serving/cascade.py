@@ -11,6 +11,9 @@ from api.serving.classify import Classified, ModelRunner
 from api.settings import Settings
 
 CASCADE_NAME = "cascade"
+# For a first model whose models file names no threshold: a guess, not a fit. The embedded
+# pair's is fitted on validation texts (artifacts/spam-smollm2/MODEL_CARD.md).
+FALLBACK_THRESHOLD = 0.9
 
 
 class CascadeError(ValueError):
@@ -25,6 +28,7 @@ class Cascade:
     second: ModelRunner
     threshold: float
     metrics: Metrics
+    threshold_source: str
 
     @property
     def runners(self) -> tuple[ModelRunner, ModelRunner]:
@@ -61,6 +65,16 @@ class Cascade:
                 answered_by[index] = self.second.served.name
             self.metrics.cascade_escalations.inc(len(unsure))
         return result, answered_by
+
+
+def cascade_threshold(settings: Settings, first: ModelSpec) -> tuple[float, str]:
+    """The cascade's threshold and where it was set: CASCADE_THRESHOLD, else the first
+    model's `cascade_threshold` in the models file, else FALLBACK_THRESHOLD."""
+    if settings.cascade_threshold is not None:
+        return settings.cascade_threshold, "CASCADE_THRESHOLD"
+    if first.cascade_threshold is not None:
+        return first.cascade_threshold, "models file"
+    return FALLBACK_THRESHOLD, "fallback"
 
 
 def cascade_models(settings: Settings, specs: list[ModelSpec]) -> tuple[str, str] | None:

@@ -121,6 +121,7 @@ async def info(state: State) -> InfoResponse:
         max_body_bytes=settings.max_body_bytes,
         latency_target_seconds=settings.latency_target_seconds,
         cascade=cascade_info(state),
+        decision_thresholds={spec.name: spec.decision_threshold for spec in state.registry.specs},
     )
 
 
@@ -141,6 +142,7 @@ def cascade_info(state: ServiceState) -> CascadeInfo | None:
         first=cascade.first.served.name,
         second=cascade.second.served.name,
         threshold=cascade.threshold,
+        threshold_source=cascade.threshold_source,
     )
 
 
