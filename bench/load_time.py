@@ -368,16 +368,35 @@ def ways_for(checkpoint: Checkpoint, embedded: Path) -> tuple[str, ...]:
     return WAYS
 
 
-def run_all(runs: int) -> dict[str, Any]:
-    """Every checkpoint and way, and the service loader; the report's raw numbers."""
-    started = time.perf_counter()
-    meta: dict[str, Any] = {
+PARTS = ("files", "prequantized")
+
+
+def new_meta(runs: int) -> dict[str, Any]:
+    """A part's record of when and how it ran, filled in as it goes."""
+    return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "loadavg_before": loadavg(),
         "runs": runs,
         "loadavg_rounds": [],
-        "service_skipped": None,
     }
+
+
+def close_meta(meta: dict[str, Any], started: float, results: dict[str, dict[str, Any]]) -> None:
+    """The part's end: load average, wall time, and how far ru_maxrss and VmHWM disagreed."""
+    meta["loadavg_after"] = loadavg()
+    meta["wall_s"] = time.perf_counter() - started
+    meta["max_rusage_vs_hwm_mib"] = max(
+        abs(run["peak_rss_kib"] - run["vm_hwm_kib"]) / 1024
+        for ways_summary in results.values()
+        for summary in ways_summary.values()
+        for run in summary["raw"]
+    )
+
+
+def run_files(runs: int) -> dict[str, Any]:
+    """Every checkpoint and way, and the service loader on the embedded default."""
+    started, meta = time.perf_counter(), new_meta(runs)
+    meta["service_skipped"] = None
     if not EMBEDDED_ADAPTER.is_dir():
         meta["service_skipped"] = f"no adapter folder {EMBEDDED_ADAPTER.relative_to(REPO_ROOT)}"
     embedded = Path(embedded_base())
@@ -392,7 +411,16 @@ def run_all(runs: int) -> dict[str, Any]:
         results[checkpoint.title] = {
             way: summarise(measured[way], folder_bytes(checkpoint.folder_for(way))) for way in ways
         }
-    prequantized: dict[str, dict[str, Any]] = {}
+    close_meta(meta, started, results)
+    return {"meta": meta, "results": results}
+
+
+def run_prequantized(runs: int) -> dict[str, Any]:
+    """The nf4 models quantized at start, at a first start, from the pre-quantized
+    checkpoint, and their files read (bench/load_targets.py)."""
+    started, meta = time.perf_counter(), new_meta(runs)
+    prepare_checkpoints()  # the generated Llama
+    results: dict[str, dict[str, Any]] = {}
     for target, title in PREQUANTIZED_TARGETS.items():
         run_child(["--prepare", target])
 
@@ -401,19 +429,31 @@ def run_all(runs: int) -> dict[str, Any]:
 
         measured = measure(PREQUANTIZED_WAYS, run_target, title, runs, meta["loadavg_rounds"])
         # A read's bytes are the files'; a load's, what the worker says it read.
-        prequantized[target] = {
+        results[target] = {
             way: summarise(runs_of_way, runs_of_way[0].file_bytes or runs_of_way[0].bytes_touched)
             for way, runs_of_way in measured.items()
         }
-    meta["loadavg_after"] = loadavg()
-    meta["wall_s"] = time.perf_counter() - started
-    meta["max_rusage_vs_hwm_mib"] = max(
-        abs(run["peak_rss_kib"] - run["vm_hwm_kib"]) / 1024
-        for ways_summary in results.values()
-        for summary in ways_summary.values()
-        for run in summary["raw"]
-    )
-    return {"meta": meta, "machine": machine(), "results": results, "prequantized": prequantized}
+    close_meta(meta, started, results)
+    return {"meta": meta, "results": results}
+
+
+def run_parts(runs: int, part: str, previous: dict[str, Any]) -> dict[str, Any]:
+    """The parts asked for, measured now; the others kept from `previous` (the last report),
+    each with its own date and load average."""
+    report = {"machine": machine(), **{name: previous[name] for name in PARTS if name in previous}}
+    if part in ("all", "files"):
+        report["files"] = run_files(runs)
+    if part in ("all", "prequantized"):
+        report["prequantized"] = run_prequantized(runs)
+    return report
+
+
+def previous_report() -> dict[str, Any]:
+    path = REPORTS_DIR / "load_time.json"
+    if not path.is_file():
+        return {}
+    report: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return report
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -468,11 +508,25 @@ def service_lines(results: dict[str, dict[str, Any]], skipped: str | None) -> li
     ]
 
 
-def prequantized_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+def when(meta: dict[str, Any]) -> str:
+    return (
+        f"Measured {meta['date']}, /proc/loadavg before: {meta['loadavg_before']}, after: "
+        f"{meta['loadavg_after']}; {meta['runs']} timed runs per way."
+    )
+
+
+def prequantized_lines(part: dict[str, Any], cores: int) -> list[str]:
     """The pre-quantized part: its table and what it says, per model."""
-    if not results:
-        return []
-    lines = ["## Pre-quantized checkpoints", "", *load_targets.table(results), ""]
+    meta, results = part["meta"], part["results"]
+    lines = [
+        "## Pre-quantized checkpoints",
+        "",
+        when(meta),
+        "",
+        *busy_warning(meta, cores),
+        *load_targets.table(results),
+        "",
+    ]
     for target, ways in results.items():
         at_start = ways[load_targets.QUANTIZE_AT_START]["ready_median_s"]
         first = ways[load_targets.FIRST_START]
@@ -492,7 +546,8 @@ def prequantized_lines(results: dict[str, dict[str, Any]]) -> list[str]:
         "adapter. bitsandbytes quantizes while transformers loads, so quantizing is in "
         "`weights` at the first start and when quantized at start; `save` is the writing of "
         "the pre-quantized checkpoint (staged, synced, renamed into place). dtype auto: the "
-        "unquantized parts and the 4-bit compute in float32, as on any CPU.",
+        "unquantized parts and the 4-bit compute in float32, as on any CPU. bitsandbytes' CPU "
+        "quantization slows down most when other processes share the cores.",
         "",
     ]
     return lines
@@ -519,14 +574,19 @@ def busy_warning(meta: dict[str, Any], cores: int) -> list[str]:
 
 
 def notes(report: dict[str, Any]) -> list[str]:
-    meta, machine_info = report["meta"], report["machine"]
+    parts = [report[name]["meta"] for name in PARTS if name in report]
+    rounds = "; ".join(
+        f"{name}: {meta['wall_s'] / 60:.1f} min, "
+        + ", ".join(line.split()[0] for line in meta["loadavg_rounds"])
+        for name, meta in zip([n for n in PARTS if n in report], parts, strict=True)
+    )
+    hwm = max(meta["max_rusage_vs_hwm_mib"] for meta in parts)
     return [
-        f"- Runs: {meta['runs']} timed per way after one untimed warm-up per way, interleaved; "
-        "each run a fresh `python -m bench.load_time --worker …` process with "
-        f"{machine_info['torch_threads']} torch threads. Whole benchmark: "
-        f"{meta['wall_s'] / 60:.1f} min. 1-minute load average at the start of each round: "
-        f"{', '.join(line.split()[0] for line in meta['loadavg_rounds'])} (the benchmark's "
-        "own worker counts about 1).",
+        "- Runs: timed per way after one untimed warm-up per way, interleaved; each run a fresh "
+        "`python -m bench.load_time --worker …` process with "
+        f"{report['machine']['torch_threads']} torch threads. Each part's wall time and the "
+        f"1-minute load average at the start of each of its rounds: {rounds} (the "
+        "benchmark's own worker counts about 1).",
         "- Page cache: warm for every timed run (the warm-up reads each file once), so these "
         "compare loaders, not disks. A first load after a reboot also pays the disk.",
         "- load s: the call alone (`from_pretrained`, `load_file`, or reading the bytes), "
@@ -543,7 +603,7 @@ def notes(report: dict[str, Any]) -> list[str]:
         "class, which transformers imports lazily on first use. A cold process pays all three "
         "before reading a single weight.",
         "- Memory: peak RSS is `ru_maxrss` of the worker (KiB → MiB); VmHWM agrees within "
-        f"{meta['max_rusage_vs_hwm_mib']:.1f} MiB on every run (the orchestrator stays small, "
+        f"{hwm:.1f} MiB on every run (the orchestrator stays small, "
         "so the parent's RSS inherited at fork does not leak in). anon / file-backed: growth "
         "of RssAnon and RssFile from before the load to the end of the run (a transient peak "
         "can exceed their sum); file-backed pages are the page cache mapped in, shared with "
@@ -552,7 +612,7 @@ def notes(report: dict[str, Any]) -> list[str]:
         "4 KV heads, vocabulary 32000, untied) as `LlamaForSequenceClassification` with 2 "
         "labels, random bf16 weights in one unsharded file; built once into "
         "bench/out/load_time/ (git-ignored) and reused while its manifest matches.",
-        low_cpu_mem_usage_note(machine_info["transformers"]),
+        low_cpu_mem_usage_note(report["machine"]["transformers"]),
     ]
 
 
@@ -572,23 +632,33 @@ def low_cpu_mem_usage_note(transformers_version: str) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    meta, info = report["meta"], report["machine"]
+    info = report["machine"]
     lines = [
         "# Checkpoint load time",
         "",
         f"Machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB RAM; Python "
-        f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}. "
-        f"Date: {meta['date']}. /proc/loadavg before the run: {meta['loadavg_before']}, "
-        f"after: {meta['loadavg_after']}. Made by `python -m bench.load_time` "
-        "(`make bench-load`); raw numbers in load_time.json.",
+        f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}. Made "
+        "by `python -m bench.load_time` (`make bench-load`; `--part files` or `--part "
+        "prequantized` measures one part again and keeps the other); raw numbers in "
+        "load_time.json.",
         "",
-        *busy_warning(meta, info["cores"]),
-        *table(report["results"]),
-        "",
-        *service_lines(report["results"], meta["service_skipped"]),
-        *prequantized_lines(report.get("prequantized", {})),
-        *notes(report),
     ]
+    files = report.get("files")
+    if files is not None:
+        meta = files["meta"]
+        lines += [
+            "## Loading the files",
+            "",
+            when(meta),
+            "",
+            *busy_warning(meta, info["cores"]),
+            *table(files["results"]),
+            "",
+            *service_lines(files["results"], meta["service_skipped"]),
+        ]
+    if "prequantized" in report:
+        lines += prequantized_lines(report["prequantized"], info["cores"])
+    lines += ["## Notes", "", *notes(report)]
     return "\n".join(lines) + "\n"
 
 
@@ -611,6 +681,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Checkpoint load time; writes bench/reports/load_time.{md,json}.",
     )
     parser.add_argument("--runs", type=int, default=5, help="timed runs per way (default 5)")
+    parser.add_argument(
+        "--part",
+        choices=["all", *PARTS],
+        default="all",
+        help="measure every part (default), or one, keeping the other from the last report",
+    )
     # The orchestrator's own children; not for people.
     parser.add_argument(
         "--worker", choices=[*WAYS, SERVICE_WAY, *PREQUANTIZED_WAYS], help=argparse.SUPPRESS
@@ -645,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(RESULT_MARKER + json.dumps(asdict(worker(args.worker, args.folder, args.dtype))))
     else:
         log(f"/proc/loadavg: {loadavg()}")
-        print(write_report(run_all(args.runs)), end="")
+        print(write_report(run_parts(args.runs, args.part, previous_report())), end="")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -45,3 +47,23 @@ def test_a_model_the_gpu_budget_cannot_hold_is_refused_not_offloaded(
     settings = make_settings(device="cuda", max_memory_gb=0.5)
     with pytest.raises(LoadError, match=r"model 'tiny': MAX_MEMORY_GB: .* off the GPU"):
         load_model(spec_for(tiny_llama), settings, held={0: 2**29})
+
+
+def test_a_prequantized_checkpoint_on_the_gpu_answers_as_quantizing_at_start(
+    tiny_llama: TinyModel, tmp_path: Path
+) -> None:
+    """The users' setting (nf4, bfloat16 compute, a budget): saved at the first start, read
+    back at the second, with the logits of quantizing at start to the bit."""
+    spec = spec_for(tiny_llama, quantization="nf4", compute_dtype="bfloat16")
+    values: dict[str, object] = {"device": "cuda", "max_memory_gb": 1, "model_cache_dir": tmp_path}
+    at_start = load_model(spec, make_settings(**values, prequantized_cache=False))
+    first, second = (
+        load_model(spec, make_settings(**values)),
+        load_model(spec, make_settings(**values)),
+    )
+
+    assert (first.prequantized, second.prequantized) == ("written", "hit")
+    texts = ["win a free prize now call", "are we still meeting for lunch tomorrow", "ok"]
+    want = [s.logits for s in Predictor(at_start).predict(texts, "spam")]
+    for loaded in (first, second):
+        assert [s.logits for s in Predictor(loaded).predict(texts, "spam")] == want

@@ -1,8 +1,8 @@
 """Pre-quantized checkpoints: a bitsandbytes model quantized once, saved, and read back later.
 
 bitsandbytes quantizes a model while transformers loads it: every start reads the full-
-precision weights and quantizes them again (2.2 s for SmolLM2-135M in nf4 on 2 CPU cores,
-against 0.2–0.5 s to read it back quantized). So the first start saves the quantized model
+precision weights and quantizes them again, the longest part of loading a 4-bit model on a CPU
+(bench/reports/load_time.md). So the first start saves the quantized model
 with `save_pretrained`, in the serialisation transformers reads back (quantized tensors with
 their quantization state, the `quantization_config` in config.json), under
 MODEL_CACHE_DIR/prequantized/<key>; later starts load that folder directly.
@@ -150,13 +150,18 @@ class PrequantizedEntry:
             self.folder.rename(aside)
         except FileNotFoundError:
             return  # another process removed it first
-        shutil.rmtree(aside, ignore_errors=True)
+        except OSError:
+            aside = self.folder  # a leftover by that name: delete in place instead
+        if aside.is_dir():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.unlink(missing_ok=True)
 
 
 def _check_file(path: Path, written: object) -> None:
     """The file is there with the size and sha256 it was written with: a truncated, partial
-    or overwritten entry is never read. Hashing costs ~0.1 s per 160 MB here (SHA-NI), and
-    warms the page cache that the load then maps."""
+    or overwritten entry is never read. The hashing reads every byte once, which warms the
+    page cache that the load then maps."""
     if not isinstance(written, dict):
         raise PrequantizedError(f"{path}: the manifest lacks its size and sha256")
     if not path.is_file():
