@@ -3,9 +3,9 @@
 `python -m tests.docker_engine probe` says plainly whether an engine runs or can be started
 here, and exits 0 only if so: `make test` runs the stack test on that answer.
 
-An engine is started as root with Debian's `dockerd` (package docker.io). overlay2 is tried
-first and vfs, which works on any file system but copies every layer in full, second: on
-these machines overlay2 works, which makes a build several times faster and smaller on disk.
+An engine is started as root with Debian's `dockerd` (package docker.io): with overlay2, which
+works on these machines, or else with vfs, which works on any file system but stores every
+layer as a full copy of the file system (heavy on disk and slow for an image of 20 layers).
 The engine keeps its images in its usual data root, so the stand-in base images and the
 build's layers stay cached between runs even though the engine itself is stopped after each.
 """
@@ -126,6 +126,7 @@ def start_dockerd(log_path: Path) -> subprocess.Popen[bytes]:
     if reason is not None:
         raise EngineUnavailable(reason)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_bytes(b"")  # this start's log only
     for driver in STORAGE_DRIVERS:
         with log_path.open("ab") as log:
             process = subprocess.Popen(
