@@ -637,7 +637,7 @@ def render_model_card(report: dict[str, Any], previous: dict[str, Any] | None) -
             "**This run trained the shipped fit only** (`--no-leave-one-out`): the two fits "
             "without one corpus each did not fit in the machine time this run had, so the "
             'leave-one-out rows read "not run". The previous model, which never saw the PH '
-            "set, is this recipe's nearest leave-PH-out figure."
+            "set, gives the nearest leave-PH-out figure (its own, older recipe)."
         )
         fits_note = "One fit: the shipped model (`--no-leave-one-out`)."
     previous_note = (
