@@ -59,7 +59,7 @@ test-stack: $(INSTALLED) $(TOOLS) $(STACK_TOOLS)
 train: $(INSTALLED)
 	$(BIN)/python -m scripts.train_spam_adapter
 
-## train-llm: retrain the cascade's LLM adapter (artifacts/spam-smollm2; ~30 min on 2 cores)
+## train-llm: retrain the cascade's LLM adapter on both corpora, three fits (artifacts/spam-smollm2; hours on 2 cores)
 train-llm: $(INSTALLED)
 	$(BIN)/python -m scripts.train_llm_adapter
 

@@ -104,7 +104,7 @@ class HyperParameters:
     """Everything that shapes the trained weights."""
 
     seed: int = DEFAULT_SEED
-    epochs: int = 3
+    epochs: int = 2
     learning_rate: float = 5e-4
     weight_decay: float = 0.01
     warmup_ratio: float = 0.1
@@ -637,7 +637,7 @@ def render_model_card(report: dict[str, Any], previous: dict[str, Any] | None) -
             "**This run trained the shipped fit only** (`--no-leave-one-out`): the two fits "
             "without one corpus each did not fit in the machine time this run had, so the "
             'leave-one-out rows read "not run". The previous model, which never saw the PH '
-            "set, is this recipe's nearest leave-PH-out figure."
+            "set, gives the nearest leave-PH-out figure (its own, older recipe)."
         )
         fits_note = "One fit: the shipped model (`--no-leave-one-out`)."
     previous_note = (
@@ -783,12 +783,13 @@ The shipped fit, per epoch (validation texts of both corpora, at each epoch's th
 {report["command"]}
 ```
 
-(or `make train`). The command trains the three fits, rewrites `adapter/`, `eval.json` and
-this card; copy the adapter's sha256 and the decision threshold into `artifacts/models.yaml`
-(a test checks they agree). Before retraining, `{report["command"]} --record-previous`
-scores the adapter in place on the same splits into `previous.json`. The run seeds Python,
-NumPy and torch and asks torch for deterministic kernels: with the same thread count and
-library versions it gives the same weights; other CPUs or versions may differ in the last
+The command rewrites `adapter/`, `eval.json` and this card; copy the adapter's sha256 and
+the decision threshold into `artifacts/models.yaml` (a test checks they agree). `make train`
+runs it without flags: the same shipped fit (each fit starts from the seed) plus the two
+leave-one-out fits. Before retraining, `{COMMAND} --record-previous` scores the adapter in
+place on the same splits into `previous.json`. The run seeds Python, NumPy and torch and
+asks torch for deterministic kernels: with the same thread count and library versions it
+gives the same weights; other CPUs or versions may differ in the last
 digits, and so may the metrics.
 """
 
