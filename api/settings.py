@@ -236,6 +236,13 @@ class Settings(BaseSettings):
         description="Response-time target: a request expected to finish past it gets 429 "
         "(admission by time); requests over it are counted.",
     )
+    refusal_delay_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="A request refused for load (429) gets its answer after this pause (never "
+        "past its deadline), so clients that retry at once, ignoring Retry-After, cannot spend "
+        "the CPU the model needs on refusals; 0 answers at once.",
+    )
 
     # --- adapters at run time (models declared with runtime_adapters: true) ---
     adapters_dir: Path | None = Field(

@@ -102,12 +102,18 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
 
 
 async def _client(
-    url: str, requests: list[bytes], offset: int, step: int, deadline: float, result: LoadResult
+    url: str,
+    requests: list[bytes],
+    offset: int,
+    step: int,
+    deadline: float,
+    result: LoadResult,
+    honour_retry_after: bool,
 ) -> None:
     """One client: a request at a time on its own connection until the deadline.
 
-    Told 429, it waits as long as `Retry-After` says, as a well-behaved client does; refused
-    clients retrying in a tight loop would measure that loop, not the service.
+    Told 429, it waits as long as `Retry-After` says, as a well-behaved client does, or, with
+    `honour_retry_after` false, sends its next request at once, as wrk and careless clients do.
     """
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -136,7 +142,7 @@ async def _client(
             retry_after = headers.get("retry-after")
             if retry_after is None:
                 result.missing_retry_after += 1
-            else:
+            elif honour_retry_after:
                 await asyncio.sleep(min(float(retry_after), deadline - time.monotonic()))
         if headers.get("connection", "").lower() == "close":
             streams[1].close()
@@ -155,7 +161,12 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 
 
 def run_load(
-    url: str, clients: int, seconds: float, texts: list[str], per_request: int = 1
+    url: str,
+    clients: int,
+    seconds: float,
+    texts: list[str],
+    per_request: int = 1,
+    honour_retry_after: bool = True,
 ) -> LoadResult:
     """`clients` connections sending `per_request` texts per request (one: a bare string),
     for `seconds`; then what was seen.
@@ -173,7 +184,10 @@ def run_load(
     async def main() -> None:
         deadline = time.monotonic() + seconds
         await asyncio.gather(
-            *(_client(url, requests, i, clients, deadline, result) for i in range(clients))
+            *(
+                _client(url, requests, i, clients, deadline, result, honour_retry_after)
+                for i in range(clients)
+            )
         )
 
     cpu_before = time.process_time()

@@ -307,7 +307,14 @@ def test_request_past_its_deadline_gets_504_and_is_not_run(embedded: ServerProce
     assert metric(embedded.url, "loraserve_rejections_total", reason="deadline") == 2
 
 
-@pytest.mark.parametrize("embedded", [{"MAX_QUEUE_SIZE": "2"}], indirect=True)
+REFUSAL_DELAY = 0.5
+
+
+@pytest.mark.parametrize(
+    "embedded",
+    [{"MAX_QUEUE_SIZE": "2", "REFUSAL_DELAY_SECONDS": str(REFUSAL_DELAY)}],
+    indirect=True,
+)
 def test_full_queue_answers_429_with_retry_after_and_leaves_nothing_half_done(
     embedded: ServerProcess,
 ) -> None:
@@ -319,6 +326,8 @@ def test_full_queue_answers_429_with_retry_after_and_leaves_nothing_half_done(
         if response.status_code == 429:
             assert response.headers["Retry-After"] == "1"
             assert response.json()["error"]["code"] == "overloaded"
+            # Held, so that a client retrying at once cannot spin the server on refusals.
+            assert response.elapsed.total_seconds() >= REFUSAL_DELAY, response.elapsed
     # Nothing half-done: exactly the accepted requests' texts ran; none of a refused one.
     accepted = statuses.count(200) * HEAVY_ROWS
     wait_all_accounted(embedded, accepted)
