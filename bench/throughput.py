@@ -17,9 +17,10 @@ same texts and the same torch thread count (TORCH_NUM_THREADS, default: every co
   server's own request histogram with one client, and its ceiling in requests/s at 32;
 - overload: the server with default settings (admission by time on, LRU on), requests of 8
   texts never sent before (bench/wrk/fresh.lua), at the saturating client count and at 4×
-  it: the statuses (only 200 and 429 allowed, each 429 with Retry-After), the 200s' texts/s
-  against the saturated run's, and the 200s' p99 from the server's own histogram (wrk's
-  latency mixes in the quick 429s).
+  it, in 3 alternating rounds: the statuses (only 200 and 429 allowed, each 429 with
+  Retry-After), the 200s' texts/s against the saturated run's of the same round (median of
+  the rounds), and the 200s' p99 from the server's own histogram (wrk's latency mixes in the
+  429s).
 
 The load comes from `wrk` with bench/wrk/predict.lua, on 127.0.0.1 only: a compiled client,
 because a Python client would take a good part of one of the two cores from the server.
@@ -38,6 +39,7 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -76,6 +78,9 @@ TARGET_CACHE_HIT_RPS = 4000.0
 # OVERLOAD_FACTOR times it; the 200s must keep this share of the saturated texts/s.
 OVERLOAD_TEXTS = 8
 OVERLOAD_FACTOR = 4
+# Saturated and overloaded runs alternate this many times: the share is the median of the
+# rounds', as a drift of the machine's speed between two runs of 10 s reaches 20 % here.
+OVERLOAD_ROUNDS = 3
 TARGET_OVERLOAD_SHARE = 0.9
 LONG_TEXT_CHARS = 600  # SMS texts joined up to this: past the embedded model's 128 tokens
 BUSY_LOAD = 1.0  # a 1-min load average above this means someone else is using the cores
@@ -546,9 +551,11 @@ def long_texts(config: Config, bodies: Path) -> Point:
     return point
 
 
-def overload(config: Config, texts: Path) -> tuple[LoadRun, LoadRun]:
-    """The server as shipped under fresh 8-text requests: saturated, then 4× the clients."""
-    runs: list[LoadRun] = []
+def overload(config: Config, texts: Path) -> list[tuple[LoadRun, LoadRun]]:
+    """The server as shipped under fresh 8-text requests, saturated and at 4× the clients,
+    in OVERLOAD_ROUNDS rounds whose order alternates; (saturated, overloaded) per round."""
+    rounds: list[tuple[LoadRun, LoadRun]] = []
+    levels = (TARGET_CLIENTS, OVERLOAD_FACTOR * TARGET_CLIENTS)
     with server("overload", {}, config.threads) as target:
 
         def env() -> dict[str, str]:
@@ -556,15 +563,24 @@ def overload(config: Config, texts: Path) -> tuple[LoadRun, LoadRun]:
             run = str(time.time_ns())
             return {"TEXTS": str(texts), "TEXTS_PER": str(OVERLOAD_TEXTS), "RUN": run}
 
-        for clients in (TARGET_CLIENTS, OVERLOAD_FACTOR * TARGET_CLIENTS):
-            if config.warmup > 0:
-                wrk(target.url, clients, config.warmup, FRESH_LUA, env())
-            before = ok_latency_buckets(target.url)
-            summary = wrk(target.url, clients, config.duration, FRESH_LUA, env())
-            after = ok_latency_buckets(target.url)
-            runs.append(load_run(clients, summary, before, after))
-            print(json.dumps({"overload": asdict(runs[-1])}), flush=True)
-    return runs[0], runs[1]
+        for number in range(OVERLOAD_ROUNDS):
+            runs: dict[int, LoadRun] = {}
+            for clients in levels if number % 2 == 0 else levels[::-1]:
+                if config.warmup > 0:
+                    wrk(target.url, clients, config.warmup, FRESH_LUA, env())
+                before = ok_latency_buckets(target.url)
+                summary = wrk(target.url, clients, config.duration, FRESH_LUA, env())
+                after = ok_latency_buckets(target.url)
+                runs[clients] = load_run(clients, summary, before, after)
+                print(json.dumps({"overload": asdict(runs[clients])}), flush=True)
+            rounds.append((runs[levels[0]], runs[levels[1]]))
+    return rounds
+
+
+def overload_share(round_: tuple[LoadRun, LoadRun]) -> float:
+    """The overloaded run's texts/s in 200s over the saturated run's, in one round."""
+    saturated, over = round_
+    return over.ok_texts_per_s / max(saturated.ok_texts_per_s, 1e-9)
 
 
 def load_run(
@@ -599,7 +615,7 @@ def targets(
     points: list[Point],
     raw: dict[str, float],
     hit: CacheHit,
-    loads: tuple[LoadRun, LoadRun],
+    loads: list[tuple[LoadRun, LoadRun]],
 ) -> list[dict[str, Any]]:
     """Each target with the measured value and whether it is met.
 
@@ -631,9 +647,18 @@ def targets(
             }
         )
     failed = sum(p.non_200 + p.socket_errors for p in points) + hit.non_200
-    saturated, over = loads
-    unexpected = {s: n for s, n in over.statuses.items() if s not in ("200", "429")}
-    share = over.ok_texts_per_s / max(saturated.ok_texts_per_s, 1e-9)
+    overloaded = [over for _, over in loads]
+    statuses: dict[str, int] = {}
+    for over in overloaded:
+        for status, count in over.statuses.items():
+            statuses[status] = statuses.get(status, 0) + count
+    unexpected = {s: n for s, n in statuses.items() if s not in ("200", "429")}
+    no_retry_after = sum(over.no_retry_after for over in overloaded)
+    socket_errors = sum(over.socket_errors for over in overloaded)
+    worst_p99 = max(over.ok_p99_bound_ms for over in overloaded)
+    over_target = sum(over.ok_over_target for over in overloaded)
+    share = statistics.median(overload_share(round_) for round_ in loads)
+    clients = overloaded[0].clients
     found += [
         {
             "target": f"cache hit < {TARGET_CACHE_HIT_MS:g} ms at the server",
@@ -647,21 +672,20 @@ def targets(
             "met": hit.ceiling_requests_per_s >= TARGET_CACHE_HIT_RPS,
         },
         {
-            "target": f"overload ({over.clients} clients): only 200 and 429, every 429 with "
+            "target": f"overload ({clients} clients): only 200 and 429, every 429 with "
             "Retry-After, no socket error",
-            "measured": f"{over.statuses}, {over.no_retry_after} without Retry-After, "
-            f"{over.socket_errors} socket errors",
-            "met": not unexpected and over.no_retry_after == 0 and over.socket_errors == 0,
+            "measured": f"{statuses}, {no_retry_after} without Retry-After, "
+            f"{socket_errors} socket errors",
+            "met": not unexpected and no_retry_after == 0 and socket_errors == 0,
         },
         {
-            "target": f"overload: p99 of the 200s < {TARGET_P99_MS / 1000:g} s",
-            "measured": f"≤ {over.ok_p99_bound_ms:g} ms ({over.ok_over_target} over "
-            f"{TARGET_P99_MS / 1000:g} s)",
-            "met": over.ok_p99_bound_ms <= TARGET_P99_MS,
+            "target": f"overload: p99 of the 200s < {TARGET_P99_MS / 1000:g} s (every round)",
+            "measured": f"≤ {worst_p99:g} ms ({over_target} over {TARGET_P99_MS / 1000:g} s)",
+            "met": worst_p99 <= TARGET_P99_MS,
         },
         target(
             f"overload: 200s' texts/s ≥ {TARGET_OVERLOAD_SHARE:g}× saturated "
-            f"({saturated.clients} clients)",
+            f"({TARGET_CLIENTS} clients; median of {len(loads)} rounds)",
             share,
             TARGET_OVERLOAD_SHARE,
         ),
@@ -757,19 +781,23 @@ def env_text(env: dict[str, str]) -> str:
     return ", ".join(f"{key}={value}" for key, value in env.items())
 
 
-def overload_table(loads: tuple[LoadRun, LoadRun]) -> list[str]:
+def overload_table(loads: list[tuple[LoadRun, LoadRun]]) -> list[str]:
     lines = [
-        "| clients | statuses | 429 without Retry-After | socket errors | texts/s in 200s "
-        "| 200s p99 (server) | 200s over 2 s | p99 of every answer (wrk) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| round | clients | statuses | 429 without Retry-After | socket errors "
+        "| texts/s in 200s | × saturated | 200s p99 (server) | 200s over 2 s "
+        "| p99 of every answer (wrk) |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for run in loads:
-        statuses = ", ".join(f"{s}: {n}" for s, n in sorted(run.statuses.items()))
-        lines.append(
-            f"| {run.clients} | {statuses} | {run.no_retry_after} | {run.socket_errors} "
-            f"| {run.ok_texts_per_s:.1f} | ≤ {run.ok_p99_bound_ms:g} ms | {run.ok_over_target} "
-            f"| {run.client_p99_ms:.1f} ms |"
-        )
+    for number, round_ in enumerate(loads, start=1):
+        for run in round_:
+            statuses = ", ".join(f"{s}: {n}" for s, n in sorted(run.statuses.items()))
+            share = f"{overload_share(round_):.2f}" if run is round_[1] else ""
+            lines.append(
+                f"| {number} | {run.clients} | {statuses} | {run.no_retry_after} "
+                f"| {run.socket_errors} | {run.ok_texts_per_s:.1f} | {share} "
+                f"| ≤ {run.ok_p99_bound_ms:g} ms | {run.ok_over_target} "
+                f"| {run.client_p99_ms:.1f} ms |"
+            )
     return lines
 
 
@@ -780,7 +808,7 @@ def markdown(
     found: list[dict[str, Any]],
     meta: dict[str, Any],
     long: tuple[Point, dict[str, float]],
-    loads: tuple[LoadRun, LoadRun],
+    loads: list[tuple[LoadRun, LoadRun]],
 ) -> str:
     m, config = meta["machine"], meta["config"]
     load = meta["load_average"]
@@ -851,10 +879,14 @@ def markdown(
         f"{TARGET_P99_MS / 1000:g} s; LRU on), requests of {OVERLOAD_TEXTS} texts never sent "
         f"before (bench/wrk/fresh.lua: each text an SMS with a unique prefix), "
         f"{config['duration']:g} s each after a {config['warmup']:g} s warm-up, at "
-        f"{TARGET_CLIENTS} clients (saturated) and {OVERLOAD_FACTOR}× that. The 200s' p99 is "
+        f"{TARGET_CLIENTS} clients (saturated) and {OVERLOAD_FACTOR}× that, in {len(loads)} "
+        "rounds whose order alternates (× saturated: against the same round's saturated run). "
+        "The 200s' p99 is "
         "the bound of the server histogram's bucket holding 99 % of them "
         '(`loraserve_request_duration_seconds{route="/predict",status="200"}`): wrk '
-        "times every answer, the quick 429s included.",
+        "times every answer, the 429s included. wrk sends its next request at once, whatever "
+        "`Retry-After` says, so each 429 is held `REFUSAL_DELAY_SECONDS` (1 s as shipped) "
+        "before it goes out.",
         "",
         *overload_table(loads),
         "",
@@ -1049,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_texts_per_s": raw,
         "long_texts": {"served": asdict(long[0]), "raw_texts_per_s": long[1]},
         "cache_hit": asdict(hit),
-        "overload": [asdict(run) for run in loads],
+        "overload": [[asdict(run) for run in round_] for round_ in loads],
         "targets": found,
     }
     write(config.out, text, data, points, raw)
