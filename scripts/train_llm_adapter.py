@@ -79,6 +79,7 @@ from scripts.spam_eval import (
     evaluate_chosen,
     evaluate_fixed,
     evaluate_suite,
+    leave_one_out_paragraph,
     lookalike,
     lookalike_table,
     metrics_at,
@@ -538,6 +539,10 @@ def render_model_card(report: dict[str, Any], previous: dict[str, Any] | None) -
     cascade, served, adapter = report["cascade"], report["serving"], report["adapter"]
     newest, sms_test = evaluation["results"]["ph_newest"], evaluation["results"]["sms_test"]
     retrained = "leave_one_out" in evaluation
+    loo_times = "; ".join(
+        f"without {name}: {fit['training']['training_seconds']:.0f} s"
+        for name, fit in evaluation.get("leave_one_out", {}).items()
+    )
     epoch_rows = "\n".join(
         f"| {e['epoch']} | {e['train_loss']:.4f} | {pct(e['validation']['accuracy'])} "
         f"| {pct(e['validation']['ham_false_positive_rate'])} | {e['train_seconds']:.0f} s |"
@@ -612,6 +617,8 @@ thresholds were chosen on validation texts. {provenance} {previous_note}
         newest["true_spam"] + newest["false_ham"]
     } of them spam.
 
+{leave_one_out_paragraph(evaluation)}
+
 ### Legitimate messages that look like spam
 
 {lookalike_table(evaluation, previous)}
@@ -632,8 +639,10 @@ an accuracy of {pct(cascade["validation"]["accuracy"])}.
 The cascade blocked, of the legitimate look-alikes in the newest months: {cascade_lookalike}.
 The encoder here is the one `artifacts/models.yaml` serves (adapter sha256
 `{report["encoder"]["adapter_sha256"]}`, decision threshold
-{report["encoder"]["decision_threshold"]}); the previous cascade was the previous encoder with
-this LLM at the previous threshold {previous["cascade"]["threshold"] if previous else "—"}.
+{report["encoder"]["decision_threshold"]}); the previous cascade is the previous encoder
+(adapter sha256 `{previous["cascade"]["encoder_adapter_sha256"][:16] if previous else "—"}…`)
+with the previous LLM adapter, at the threshold then served,
+{previous["cascade"]["threshold"] if previous else "—"}.
 
 ### Served precision
 
@@ -676,9 +685,8 @@ The paper's figures come from its own protocol on the collection's lines: indica
 - Selection: {report["selection"]}; selected epoch
   **{training["selected_epoch"]}**. Training took {training["training_seconds"]:.0f} s of
   wall time on {report["device"]}, on a machine shared with other jobs.
-- Retraining on both corpora, with the two leave-one-out fits, is the same command; on this
-  CPU it is several times the encoder's run (the LLM is about six times the encoder's size
-  per token).
+- The two leave-one-out fits, the same recipe, took {loo_times or "— (not run)"}. The LLM
+  costs about six times the encoder per token, so this run is several times the encoder's.
 
 | Epoch | Train loss | Validation accuracy | Validation ham FPR | Time |
 |---|---|---|---|---|
