@@ -14,6 +14,7 @@ import uvicorn
 from api.http.app import DeviceFailed, create_app
 from api.http.state import Phase, ServiceState
 from api.models.spec import ModelsFileError, load_models_file
+from api.models.tokenizing import keep_tokenizers_serial
 from api.serving.cascade import CascadeError
 from api.settings import Settings, SettingsError, load_settings
 
@@ -128,6 +129,7 @@ def main() -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     quiet_libraries()
+    keep_tokenizers_serial()
     try:
         server = build_server(settings)
     except (ModelsFileError, CascadeError) as exc:

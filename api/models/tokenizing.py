@@ -15,10 +15,28 @@ any thread, and gives transformers' own ids (tests compare them).
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 from tokenizers import Tokenizer
+
+# Read by the Rust tokenizers at every batch call.
+PARALLELISM_VARIABLE = "TOKENIZERS_PARALLELISM"
+
+
+def keep_tokenizers_serial() -> None:
+    """Turns off the Rust tokenizers' own thread pool for this process, unless the
+    environment already says otherwise.
+
+    `encode_batch` splits a batch over a pool of as many threads as cores. In the server
+    those threads take the cores from torch's intra-op threads, and a forward's parallel
+    region then waits for a descheduled thread: measured at 128 clients x 8 texts on 2 cores,
+    the 200s kept 0.84 of the saturated throughput with the pool and 0.90-0.92 without it,
+    and the saturated throughput itself rose ~15 %. A request's few texts tokenize in tens
+    of microseconds on one thread.
+    """
+    os.environ.setdefault(PARALLELISM_VARIABLE, "false")
 
 
 class TextEncoder:
