@@ -40,8 +40,8 @@ from bench.throughput import (
     wait_for_quiet,
     write_bodies,
 )
-from scripts.spam_data import LABELS, PH, SMS, LabelledText, load_corpora
-from scripts.spam_eval import EVALUATIONS, compute_metrics
+from scripts.spam_data import LABELS, LabelledText, load_corpora
+from scripts.spam_eval import EVALUATIONS, compute_metrics, scored_test_splits
 
 TARGETS = ("spam-minilm", "spam-smollm2", "cascade")
 CLIENTS = 32
@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     load = wait_for_quiet(900)
-    corpora = load_corpora()
-    tests = {"sms_test": corpora[SMS].test, "ph_newest": corpora[PH].test}
+    tests = scored_test_splits(load_corpora())
     with server("cascade", CACHE_OFF, THREADS) as target:
         threshold = httpx.get(f"{target.url}/info", timeout=10).json()["cascade"]["threshold"]
         quality = {

@@ -35,6 +35,15 @@ EVALUATIONS: dict[str, str] = {
 }
 """The splits every model is reported on, in table order."""
 
+TEST_SPLITS = ("sms_test", "ph_newest")
+"""The two test splits (keys of EVALUATIONS) a served model is scored on."""
+
+
+def scored_test_splits(corpora: dict[str, SpamSplits]) -> dict[str, Sequence[LabelledText]]:
+    """The rows of each of TEST_SPLITS: the SMS held-out split, the PH newest months."""
+    return {"sms_test": corpora[SMS].test, "ph_newest": corpora[PH].test}
+
+
 LOOKALIKE_CATEGORIES = ("ads", "gov", "notifs")
 LOOKALIKE_NAMES = {
     "ads": "promotions the user wanted (ads)",

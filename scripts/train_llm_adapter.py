@@ -73,6 +73,7 @@ from scripts.spam_data import (
 )
 from scripts.spam_eval import (
     EVALUATIONS,
+    TEST_SPLITS,
     Trained,
     comparison_table,
     compute_metrics,
@@ -85,6 +86,7 @@ from scripts.spam_eval import (
     metrics_at,
     pct,
     prediction_cost,
+    scored_test_splits,
     served_probabilities,
     threshold_paragraph,
 )
@@ -120,7 +122,6 @@ MAX_ESCALATION = 0.10
 # How the LLM is scored: fp32, bitsandbytes 8-bit and 4-bit, and PyTorch dynamic int8 (the
 # project's fast CPU path for the encoder).
 SERVED = {"fp32": "none", "int8": "int8", "nf4": "nf4", "dynamic-int8": "dynamic-int8"}
-TEST_SPLITS = ("sms_test", "ph_newest")
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,11 +374,6 @@ def cascade_results(
 # --------------------------------------------------------------------------- evaluation
 
 
-def test_parts(corpora: dict[str, SpamSplits]) -> dict[str, Sequence[LabelledText]]:
-    """The two test splits every served configuration is scored on."""
-    return {"sms_test": corpora[SMS].test, "ph_newest": corpora[PH].test}
-
-
 def evaluate_all(
     report: dict[str, Any],
     corpora: dict[str, SpamSplits],
@@ -387,7 +383,7 @@ def evaluate_all(
 ) -> None:
     """Adds the served evaluations (LLM precisions, encoder, cascade) to `report`."""
     threshold = report["evaluation"]["decision_threshold"]["threshold"]
-    tests = test_parts(corpora)
+    tests = scored_test_splits(corpora)
     validation = {"validation": joined(corpora, CORPORA, seed).validation}
     serving: dict[str, Any] = {}
     llm_scores: dict[str, tuple[list[float], list[float]]] = {}
@@ -437,7 +433,7 @@ def record_previous(
     trained = load_adapter(base_dir, adapter, hp)
     previous = evaluate_fixed(trained.score, corpora, 0.5, trained_on=[SMS])
     del trained
-    tests = test_parts(corpora)
+    tests = scored_test_splits(corpora)
     encoder = encoder_spec()
     threshold = encoder.cascade_threshold
     assert threshold is not None, "the models file names no cascade_threshold"
