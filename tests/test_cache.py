@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from api.metrics import Metrics
 from api.models.spec import AdapterSpec
+from api.serving.cache.disk import DiskTier
 from api.serving.cache.lru import LruTier
 from tests.conftest import serving as serve
 from tests.conftest import spec_for
@@ -125,3 +128,35 @@ def test_both_tiers_can_be_turned_off(tiny_bert: TinyModel, tmp_path: Path) -> N
         again = client.post("/predict", json=TEXT)
     assert again.headers["X-Cache"] == "lru=0,disk=0,model=1"
     assert not (tmp_path / "cache").exists()
+
+
+async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
+    # The event loop reads the disk tier inline; a writer (the tier's own thread, another
+    # replica sharing the folder) holding sqlite's write lock must not stall it. Under a
+    # least-recently-used policy every read, a miss included, wrote an access time and
+    # waited for that lock: held here for 3 s, a read took 3 s.
+    tier = DiskTier(tmp_path / "disk", 2**24, None, Metrics(latency_target_seconds=2.0))
+    tier.put("stored", ((0.25, 0.75), (0.0, 1.0)))
+    holding, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        other = diskcache.Cache(str(tmp_path / "disk"))
+        with other.transact():
+            other.set("being-written", "[[0.5, 0.5], [0.0, 0.0]]")
+            holding.set()
+            release.wait(3)
+        other.close()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        found = await tier.get_many(["stored", "missing"])
+        took = time.monotonic() - started
+    finally:
+        release.set()
+        thread.join()
+        await tier.close()
+    assert found == [((0.25, 0.75), (0.0, 1.0)), None]
+    assert took < 1.5, f"a read waited {took:.2f} s for the writer's lock"
