@@ -149,14 +149,24 @@ class Settings(BaseSettings):
 
     # --- dynamic batching (per model) ---
     max_batch_size: int = Field(32, ge=1, description="Most texts in one forward pass.")
-    max_batch_tokens: int = Field(
-        8192, ge=1, description="Most tokens in one forward pass, padding counted if padded."
+    max_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most tokens in one forward pass, padding counted if padded; unset: "
+        "2048 on a CPU (past that a forward's cost per token rises), 8192 on a GPU.",
     )
     max_batch_wait_seconds: float = Field(
         0.0,
         ge=0,
         description="Longest a text waits for others to fill its batch once the device is "
         "free; 0 runs what is queued at once (batches still fill while the device is busy).",
+    )
+    batch_refill_wait_seconds: float = Field(
+        0.005,
+        ge=0,
+        description="After a batch, longest the next one waits for the clients it answered "
+        "to send their next texts (clients that wait for each answer), unless it is full; "
+        "0 never waits for them.",
     )
     batch_overhead_tokens: float | None = Field(
         None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +25,11 @@ from api.serving.batching import (
 class FakePredictor:
     """Scores a row as (adapter, sum of ids); records every batch it is given."""
 
-    def __init__(self, oom_above: int | None = None, fail: bool = False) -> None:
+    def __init__(
+        self, oom_above: int | None = None, fail: bool = False, seconds: float = 0.0
+    ) -> None:
         self.batches: list[list[tuple[str | None, list[int]]]] = []
+        self.seconds = seconds  # each forward takes this long
         self.gate = threading.Event()
         self.gate.set()
         self.oom_above = oom_above
@@ -35,6 +39,7 @@ class FakePredictor:
         self, rows: list[list[int]], adapters: list[str | None]
     ) -> Sequence[tuple[str | None, int]]:
         self.gate.wait(timeout=10)
+        time.sleep(self.seconds)
         self.batches.append(list(zip(adapters, rows, strict=True)))
         if self.oom_above is not None and len(rows) > self.oom_above:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -68,6 +73,7 @@ def batcher_for(
             max_queue_requests=int(values.get("max_queue_requests", 100)),
             overhead_tokens=values.get("overhead_tokens"),
             packed=bool(values.get("packed", False)),
+            refill_wait_seconds=values.get("refill_wait_seconds", 0.0),
         ),
         executor,
     )
@@ -112,6 +118,69 @@ async def test_flushes_by_wait_when_not_full(executor: ThreadPoolExecutor) -> No
     assert fake.sizes == [2]
     assert results == [[("a", 1)], [("a", 2)]]
     assert 0.04 <= waited < 2
+    await batcher.stop()
+
+
+async def closed_loop(batcher: Batcher[tuple[str | None, int]], clients: int, rounds: int) -> None:
+    """`clients` that each send one row, wait for its answer, and send the next; all but the
+    first start while the first one's row runs."""
+
+    async def client(number: int) -> None:
+        if number > 0:
+            await asyncio.sleep(0.005)
+        for turn in range(rounds):
+            await batcher.submit([[number, turn]], ["a"], 30)
+
+    await asyncio.gather(*(client(number) for number in range(clients)))
+
+
+async def test_the_next_batch_waits_for_the_clients_the_last_one_answered(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # Without the wait, clients that send their next row when answered split into two halves
+    # taking turns (batches of 1 and 3 here, for ever); with it, each batch holds all four.
+    fake = FakePredictor(seconds=0.05)
+    batcher = batcher_for(
+        fake, executor, max_batch_size=8, max_wait_seconds=0, refill_wait_seconds=0.5
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(closed_loop(batcher, clients=4, rounds=6), 10)
+    # The first row runs alone, at once (nothing answered yet); the first client, a turn
+    # ahead, is done before the others' last rows, which run once the wait has passed.
+    assert fake.sizes == [1] + [4] * 5 + [3]
+    assert loop.time() - started >= 0.5
+    await batcher.stop()
+
+
+async def test_without_the_wait_such_clients_take_turns(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor(seconds=0.05)
+    batcher = batcher_for(fake, executor, max_batch_size=8, max_wait_seconds=0)
+    await asyncio.wait_for(closed_loop(batcher, clients=4, rounds=6), 10)
+    assert fake.sizes[:4] == [1, 3, 1, 3]
+    await batcher.stop()
+
+
+async def test_a_lone_client_never_waits_for_others(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor()
+    batcher = batcher_for(fake, executor, max_batch_size=8, refill_wait_seconds=30)
+    await asyncio.wait_for(closed_loop(batcher, clients=1, rounds=5), 5)
+    assert fake.sizes == [1] * 5
+    await batcher.stop()
+
+
+async def test_a_request_answered_in_part_is_not_waited_for(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # Its rows still queued are what comes next: no batch waits for it to send more.
+    fake = FakePredictor()
+    batcher = batcher_for(
+        fake, executor, max_batch_size=4, max_wait_seconds=0, refill_wait_seconds=30
+    )
+    rows = [[index] for index in range(10)]
+    answer = await asyncio.wait_for(batcher.submit(rows, ["a"] * 10, 30), 5)
+    assert [value for _, value in answer] == list(range(10))
+    assert fake.sizes == [4, 4, 2]
     await batcher.stop()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,7 @@ def create_app(
             await asyncio.gather(*(r.adapters.close() for r in state.runners.values()))
             registry.close()
             await state.cache.close()
+            gc.unfreeze()  # what start-up built may be garbage now: collectable again
 
     app = FastAPI(
         title="loraserve",
@@ -128,11 +130,28 @@ async def _load(
             on_fatal(exc)
         return
     if state.phase is Phase.LOADING:
+        freeze_startup_heap()
         state.phase = Phase.READY
         state.metrics.ready.set(1)
         logger.info("ready: %s", ", ".join(state.registry.models))
     if adapters_dir is not None:
         await adapters_dir.run()  # until the lifespan cancels loading, at shutdown
+
+
+def freeze_startup_heap() -> None:
+    """Moves every object start-up built (modules, models, tokenizers) out of the cyclic
+    collector's reach until shutdown.
+
+    Python's oldest-generation collection walks every tracked object. With transformers,
+    peft and a model loaded that is hundreds of thousands of objects that live as long as
+    the process: measured at 32 clients here, each such collection held the GIL ~275 ms,
+    stopping the event loop and the forward alike, a few times a minute; those pauses were
+    the served p99 (~300 ms against a ~55 ms mean). Frozen, a collection walks only what
+    serving made since. An adapter attached at start-up and detached later is still freed:
+    by reference counts, which freezing leaves alone (tested).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 async def _read_adapters_dir(state: ServiceState) -> AdapterFolder | None:
@@ -204,11 +223,12 @@ def _batcher(
 
     limits = BatchLimits(
         max_batch_size=settings.max_batch_size,
-        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_tokens=served.max_batch_tokens,
         max_wait_seconds=settings.max_batch_wait_seconds,
         max_queue_requests=settings.max_queue_size,
         overhead_tokens=served.overhead_tokens,
         packed=served.predictor.packs_batches,
+        refill_wait_seconds=settings.batch_refill_wait_seconds,
     )
 
     def predict_batch(

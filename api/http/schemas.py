@@ -218,7 +218,10 @@ class InfoResponse(BaseModel):
     max_input_length: int | None = Field(None, description="TEI: the first model's max tokens.")
     low_cpu_mem_usage: bool = Field(description="LOW_CPU_MEM_USAGE as set.")
     low_cpu_mem_usage_effect: str = Field(description="What it does with this transformers.")
-    max_batch_tokens: int
+    max_batch_tokens: int | None = Field(
+        description="The first model's, once loaded: MAX_BATCH_TOKENS, where unset 2048 on a "
+        "CPU and 8192 on a GPU; before, MAX_BATCH_TOKENS as set."
+    )
     max_batch_requests: int
     max_client_batch_size: int
     max_concurrent_requests: int

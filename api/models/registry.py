@@ -18,8 +18,23 @@ from api.settings import Settings
 logger = logging.getLogger(__name__)
 
 
+# MAX_BATCH_TOKENS when unset. On a CPU a forward's time per token rises once a batch's
+# activations outgrow the caches: the embedded model (packed, 2 cores) ran 128-token texts at
+# ~145 texts/s in batches of 1,024-3,072 tokens, ~115 at 4,096 and ~70 at 6,144-8,192; at 32
+# and 64 clients the server capped at 2,048 served 1.5x the texts/s it did at 8,192.
+CPU_BATCH_TOKENS = 2048
+GPU_BATCH_TOKENS = 8192
+
+
 class UnknownName(LookupError):
     """A model or adapter name that is not loaded."""
+
+
+def batch_tokens_for(device: torch.device, configured: int | None) -> int:
+    """The most tokens one forward on `device` may hold: MAX_BATCH_TOKENS where set."""
+    if configured is not None:
+        return configured
+    return CPU_BATCH_TOKENS if device.type == "cpu" else GPU_BATCH_TOKENS
 
 
 @dataclass
@@ -45,6 +60,7 @@ class ServedModel:
     loaded: LoadedModel
     predictor: Predictor
     overhead_tokens: float | None = None  # the batch cost model's, see BatchLimits
+    max_batch_tokens: int = GPU_BATCH_TOKENS  # see batch_tokens_for
     # Largest logit difference of a probe text alone and among batch-mates, measured at load.
     batch_variance: float | None = None
     # Adapters loaded at run time, by name (api.serving.adapters keeps it current).
@@ -163,20 +179,22 @@ class Registry:
             loaded = load_model(spec, self.settings, held)
             predictor = Predictor(loaded, self.settings.pad_to_multiple_of)
             device = self.device_thread(loaded.device)
+            batch_tokens = batch_tokens_for(loaded.device, self.settings.max_batch_tokens)
             if self.settings.pack_batches and not self.settings.torch_compile:
                 with timed(loaded.phases, "warmup"):
                     device.submit(predictor.enable_packing).result()
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):
-                    limits = self.settings.max_batch_size, self.settings.max_batch_tokens
+                    limits = self.settings.max_batch_size, batch_tokens
                     device.submit(predictor.warm_up, *limits).result()
             with timed(loaded.phases, "warmup"):
                 variance = device.submit(predictor.batch_variance).result()
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
-        served = ServedModel(loaded, predictor, self.settings.batch_overhead_tokens, variance)
+        overhead = self.settings.batch_overhead_tokens
+        served = ServedModel(loaded, predictor, overhead, batch_tokens, variance)
         with self._lock:
             self.models[spec.name] = served
         progress.state, progress.finished = "ready", time.perf_counter()

@@ -48,6 +48,14 @@ class BatchLimits:
     `packed`: batches run without padding (api.models.packing), so a batch costs its real
     tokens whatever the lengths in it: the oldest rows join first, while they fit; the cost
     model is not used.
+
+    `refill_wait_seconds`: once a batch is answered, the next one waits up to this long for
+    the requests it answered to come back (clients that send their next text when they have
+    their answer: a pool of workers calling the service), unless it is full before. Without
+    it, such clients split into two halves that take turns, each half a batch, so batches
+    stay half the size they could be, and on a CPU the event loop's work for one half slows
+    the other half's forward. The wait is for rows that are expected: after a request
+    answered in part, or with nothing answered, no batch waits.
     """
 
     max_batch_size: int = 32
@@ -56,6 +64,7 @@ class BatchLimits:
     max_queue_requests: int = 256
     overhead_tokens: float | None = None
     packed: bool = False
+    refill_wait_seconds: float = 0.0
 
 
 @dataclass
@@ -80,6 +89,15 @@ class _Row(Generic[Result]):
     deadline: float
     waiters: int = 0
     started: bool = False
+    requests: list[_Request] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Request:
+    """One submitted request: how many of its rows are not answered yet."""
+
+    rows: int
+    unanswered: int
 
 
 @dataclass
@@ -143,6 +161,9 @@ class Batcher(Generic[Result]):
         self._requests = 0
         self._collector: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
+        # Set as each batch ends: the rows the next batch waits for, and until when.
+        self._refill_rows = 0
+        self._refill_until = 0.0
 
     @property
     def queued_rows(self) -> int:
@@ -200,6 +221,9 @@ class Batcher(Generic[Result]):
                 row.deadline = max(row.deadline, now + timeout)
             row.waiters += 1
             mine.append(row)
+        request = _Request(len(mine), len(mine))
+        for row in mine:
+            row.requests.append(request)
         self._requests += 1
         self._arrived.set()
         try:
@@ -233,9 +257,14 @@ class Batcher(Generic[Result]):
             task.add_done_callback(self._running.discard)
 
     async def _wait_until_flush(self) -> None:
-        """Returns once the pending rows fill a batch or the oldest has waited enough."""
+        """Returns once the pending rows fill a batch, or once both the oldest has waited
+        `max_wait_seconds` and the rows the last batch answered have come back (or
+        `refill_wait_seconds` has passed since it ended)."""
         while self._pending and not self._full():
-            left = self._pending[0].enqueued + self.limits.max_wait_seconds - time.monotonic()
+            until = self._pending[0].enqueued + self.limits.max_wait_seconds
+            if len(self._pending) < self._refill_rows:
+                until = max(until, self._refill_until)
+            left = until - time.monotonic()
             if left <= 0:
                 return
             self._arrived.clear()
@@ -332,7 +361,20 @@ class Batcher(Generic[Result]):
             for row in batch.rows:
                 if self._inflight.get(row.key) is row:
                     del self._inflight[row.key]
+            self._expect_refill(batch.rows)
             self._slot.release()
+
+    def _expect_refill(self, rows: list[_Row[Result]]) -> None:
+        """After a batch: the requests it answered in full may send as many rows again."""
+        answered = 0
+        for row in rows:
+            for request in row.requests:
+                request.unanswered -= 1
+                if request.unanswered == 0:
+                    answered += request.rows
+            row.requests.clear()
+        self._refill_rows = min(self.limits.max_batch_size, len(self._pending) + answered)
+        self._refill_until = time.monotonic() + self.limits.refill_wait_seconds
 
     async def _run_rows(self, rows: list[_Row[Result]]) -> None:
         """Runs rows in the executor; on out-of-memory, halves the batch and tries again."""

@@ -112,7 +112,7 @@ async def info(state: State) -> InfoResponse:
         max_input_length=first.max_length,
         low_cpu_mem_usage=settings.low_cpu_mem_usage,
         low_cpu_mem_usage_effect=low_cpu_mem_usage_effect(),
-        max_batch_tokens=settings.max_batch_tokens,
+        max_batch_tokens=served.max_batch_tokens if served else settings.max_batch_tokens,
         max_batch_requests=settings.max_batch_size,
         max_client_batch_size=settings.max_texts_per_request,
         max_concurrent_requests=settings.max_queue_size,
