@@ -267,7 +267,9 @@ def test_client_that_disconnects_while_queued_is_not_computed_for(
     with ThreadPoolExecutor(max_workers=6) as pool:
         busy = heavy_requests(embedded, 6, pool)
         time.sleep(0.3)
-        gone = {"inputs": ["a text nobody will wait for"], "cache": False}
+        # As long as the heavy texts: a short one would fit in a gap of a batch of them
+        # (packed batches fill up to MAX_BATCH_TOKENS) and run before it could be abandoned.
+        gone = {"inputs": [f"a text nobody will wait for {LONG}"], "cache": False}
         with pytest.raises(httpx.ReadTimeout):  # httpx then closes the connection
             httpx.post(f"{embedded.url}/predict", json=gone, timeout=0.2)
         assert [f.result().status_code for f in busy] == [200] * 6
