@@ -3,9 +3,16 @@
 Run by `bench.throughput` in a process of its own (`python -m bench.raw_model BODIES`), so
 the thread count is set before torch starts and nothing else shares the process. It loads the
 model as the server does (the same settings from the environment, the server's `Registry`:
-packing where it applies, the same warm-up), tokenizes every text once with
-`Predictor.encode` — tokenizing is then not timed — and prints one JSON line: texts/s for
-each way of forming batches.
+packing where it applies, the same warm-up, start-up's heap frozen), tokenizes every text
+once with `Predictor.encode` — tokenizing is then not timed — and prints one JSON line:
+texts/s for each way of forming batches.
+
+With `--serve` it stays up instead: it prints one JSON line once loaded (the texts' mean
+length, whether it packs), then answers each line read on stdin, a JSON object
+`{"seconds": s, "batchings": [...]}`, with one JSON line of texts/s for each batching named
+(every one when none is named).
+`bench.throughput` runs the model's own limit this way between its served runs, so that the
+ratio of the two is not the machine's drift between two moments minutes apart.
 
 - `batch32`: batches of 32 in the texts' own order, run as the server runs them (packed
   where the model packs) — the "model's own limit" the served system is compared with;
@@ -19,12 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from api.cli import quiet_libraries
+from api.http.app import freeze_startup_heap
 from api.models.predictor import Predictor
 from api.models.registry import Registry
 from api.models.spec import load_models_file
@@ -42,6 +52,7 @@ def load_predictor(threads: int) -> Predictor:
     registry = Registry([spec], settings)
     registry.load_all()  # loads, packs where it applies, warms up: what the server does
     registry.close()  # its device thread: here every forward runs on the main thread
+    freeze_startup_heap()  # as the server does once ready
     return registry.models[spec.name].predictor
 
 
@@ -64,22 +75,44 @@ def texts_per_second(predictor: Predictor, batches: list[Rows], seconds: float) 
     return done / (time.perf_counter() - start)
 
 
-def measure(bodies: Path, threads: int, seconds: float) -> dict[str, float]:
-    """Texts/s for each batching of the texts in `bodies` (one JSON body a line)."""
+BATCHINGS = ("batch32", "batch32_sorted", "batch32_padded", "batch1")
+Measure = Callable[[str, float], float]  # (batching, seconds) -> texts/s
+
+
+def prepare(bodies: Path, threads: int) -> tuple[Measure, dict[str, float]]:
+    """The model loaded and the texts of `bodies` (one JSON body a line) tokenized: a function
+    timing one batching, and what describes the run (mean tokens, packing, threads)."""
     texts = [json.loads(line)["inputs"] for line in bodies.read_text("utf-8").splitlines()]
     predictor = load_predictor(threads)
     rows = predictor.encode(texts)
-    by_length = sorted(rows, key=len)
     padded = Predictor(predictor.loaded, predictor.pad_to_multiple_of)  # never packs
-    return {
-        "batch32": texts_per_second(predictor, batches_of(rows, 32), seconds),
-        "batch32_sorted": texts_per_second(predictor, batches_of(by_length, 32), seconds),
-        "batch32_padded": texts_per_second(padded, batches_of(rows, 32), seconds),
-        "batch1": texts_per_second(predictor, batches_of(rows, 1), seconds),
+    runs = {
+        "batch32": (predictor, batches_of(rows, 32)),
+        "batch32_sorted": (predictor, batches_of(sorted(rows, key=len), 32)),
+        "batch32_padded": (padded, batches_of(rows, 32)),
+        "batch1": (predictor, batches_of(rows, 1)),
+    }
+
+    def measure(batching: str, seconds: float) -> float:
+        runner, batches = runs[batching]
+        return texts_per_second(runner, batches, seconds)
+
+    described = {
         "packed": float(predictor.packs_batches),
         "threads": float(torch.get_num_threads()),
         "mean_tokens": sum(map(len, rows)) / len(rows),
     }
+    return measure, described
+
+
+def serve(measure: Measure, described: dict[str, float]) -> None:
+    """Answers each request line on stdin with a line of texts/s, until stdin closes."""
+    print(json.dumps(described), flush=True)
+    for line in sys.stdin:
+        asked = json.loads(line)
+        names = asked.get("batchings", BATCHINGS)
+        found = {name: measure(name, float(asked["seconds"])) for name in names}
+        print(json.dumps(found), flush=True)
 
 
 def main() -> int:
@@ -89,8 +122,14 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--seconds", type=float, default=8.0, help="timed seconds per batching")
+    parser.add_argument("--serve", action="store_true", help="measure on request (see above)")
     args = parser.parse_args()
-    print(json.dumps(measure(args.bodies, args.threads, args.seconds)), flush=True)
+    measure, described = prepare(args.bodies, args.threads)
+    if args.serve:
+        serve(measure, described)
+    else:
+        found = {name: measure(name, args.seconds) for name in BATCHINGS}
+        print(json.dumps({**found, **described}), flush=True)
     return 0
 
 

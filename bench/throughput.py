@@ -10,7 +10,10 @@ same texts and the same torch thread count (TORCH_NUM_THREADS, default: every co
   text per request;
 - naive:  the same server with MAX_BATCH_SIZE=1 — one forward per request, no batching;
 - raw:    the model alone (bench/raw_model.py, its own process, no HTTP): forwards of 32
-  pre-tokenized texts in a loop — the model's own limit;
+  pre-tokenized texts in a loop — the model's own limit. It stays loaded beside the servers
+  and is measured in turn with served at 32 clients, in 3 rounds whose order alternates:
+  served/raw is the median of the rounds' ratios, as the machine's speed drifts by 10-30 %
+  between two moments minutes apart;
 - long texts: served and raw again at 32 clients on texts of the model's max length (SMS
   texts joined), where the forward dominates and the per-request work matters least;
 - cache hit: the server with default settings (LRU on), one text repeated, timed by the
@@ -81,6 +84,8 @@ OVERLOAD_FACTOR = 4
 # Saturated and overloaded runs alternate this many times: the share is the median of the
 # rounds', as a drift of the machine's speed between two runs of 10 s reaches 20 % here.
 OVERLOAD_ROUNDS = 3
+# Likewise served (at TARGET_CLIENTS) and the raw model: served/raw is the median of these.
+RAW_ROUNDS = 3
 TARGET_OVERLOAD_SHARE = 0.9
 LONG_TEXT_CHARS = 600  # SMS texts joined up to this: past the embedded model's 128 tokens
 BUSY_LOAD = 1.0  # a 1-min load average above this means someone else is using the cores
@@ -149,6 +154,19 @@ class CacheHit:
     ceiling_clients: int  # the ceiling run: one text repeated by this many clients
     ceiling_requests_per_s: float
     ceiling_lru_hits: int
+
+
+@dataclass(frozen=True)
+class RawRound:
+    """Served at TARGET_CLIENTS and the raw model at batch 32, measured one after the other."""
+
+    served_texts_per_s: float
+    raw_texts_per_s: float
+    raw_other_cores: float
+
+    @property
+    def ratio(self) -> float:
+        return self.served_texts_per_s / self.raw_texts_per_s
 
 
 @dataclass(frozen=True)
@@ -459,8 +477,11 @@ def to_point(
     )
 
 
-def served_and_naive(config: Config, bodies: Path) -> list[Point]:
-    """The servers up side by side; at each concurrency each runs, the order rotating."""
+def served_and_naive(
+    config: Config, bodies: Path, raw: RawModel
+) -> tuple[list[Point], list[RawRound]]:
+    """The servers up side by side; at each concurrency each runs, the order rotating. Then
+    served and the raw model take turns (`raw_rounds`)."""
     envs = {"served": CACHE_OFF, "naive": {**CACHE_OFF, **NAIVE}}
     if config.variant_env:
         envs["variant"] = {**CACHE_OFF, **config.variant_env}
@@ -476,36 +497,98 @@ def served_and_naive(config: Config, bodies: Path) -> list[Point]:
                 point = measure(system, target, clients, config, bodies)
                 print(json.dumps(asdict(point)), flush=True)
                 points.append(point)
-    return points
+        rounds = raw_rounds(config, systems[0][1], raw, bodies)
+    return points, rounds
 
 
-def raw_model(config: Config, bodies: Path) -> dict[str, float]:
-    """The raw model, measured again once if other processes took cores meanwhile."""
-    raw = raw_model_once(config, bodies)
-    if raw["other_cores"] > OTHER_CORES_MAX:
-        print(f"other processes took {raw['other_cores']} cores: measuring again", flush=True)
-        raw = {**raw_model_once(config, bodies), "attempts": 2}
-    return raw
+class RawModel:
+    """bench.raw_model --serve: the model alone, loaded once in a process of its own, timed on
+    request. Idle between requests (blocked on its stdin), it costs the servers nothing."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self._process = process
+        self.described: dict[str, float] = self._read()  # mean tokens, packed, threads
+
+    def _read(self) -> dict[str, float]:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.startswith("{"):
+                found: dict[str, float] = json.loads(line)
+                return found
+        raise RuntimeError(f"bench.raw_model exited with {self._process.wait()}")
+
+    def measure(self, seconds: float, batchings: list[str] | None = None) -> dict[str, float]:
+        """Texts/s of each batching named (None: every one), measured again once if other
+        processes took cores meanwhile."""
+        found = self._measure_once(seconds, batchings)
+        if found["other_cores"] > OTHER_CORES_MAX:
+            print(f"other processes took {found['other_cores']} cores: again", flush=True)
+            found = {**self._measure_once(seconds, batchings), "attempts": 2}
+        return found
+
+    def _measure_once(self, seconds: float, batchings: list[str] | None) -> dict[str, float]:
+        assert self._process.stdin is not None
+        cpu, busy = process_cpu_seconds(self._process.pid), busy_cpu_seconds()
+        start = time.monotonic()
+        asked = {"seconds": seconds, **({} if batchings is None else {"batchings": batchings})}
+        self._process.stdin.write(json.dumps(asked) + "\n")
+        self._process.stdin.flush()
+        found = self._read()
+        wall = time.monotonic() - start
+        mine = process_cpu_seconds(self._process.pid) - cpu
+        found["other_cores"] = round(max(0.0, busy_cpu_seconds() - busy - mine) / wall, 2)
+        found["attempts"] = 1
+        print(json.dumps({"raw": found}), flush=True)
+        return found
 
 
-def raw_model_once(config: Config, bodies: Path) -> dict[str, float]:
-    """bench.raw_model in a process of its own, with the servers stopped."""
+@contextmanager
+def raw_model(config: Config, bodies: Path) -> Iterator[RawModel]:
+    """The raw model on the texts of `bodies`, loaded and ready, stopped when the block ends."""
     env = {**os.environ, "TORCH_NUM_THREADS": str(config.threads), "LOG_LEVEL": "warning"}
-    command = [sys.executable, "-m", "bench.raw_model", str(bodies)]
-    command += ["--threads", str(config.threads), "--seconds", str(config.duration)]
-    cpu, busy, start = children_cpu_seconds(), busy_cpu_seconds(), time.monotonic()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.monotonic() - start
-    other = busy_cpu_seconds() - busy - (children_cpu_seconds() - cpu)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"bench.raw_model failed ({result.returncode}): {result.stderr}")
-    raw: dict[str, float] = json.loads(lines[-1])
-    # Over the whole process, loading included: a few seconds of the total.
-    raw["other_cores"] = round(max(0.0, other) / wall, 2)
-    raw["attempts"] = 1
-    print(json.dumps({"raw": raw}), flush=True)
-    return raw
+    command = [sys.executable, "-m", "bench.raw_model", str(bodies), "--serve"]
+    command += ["--threads", str(config.threads)]
+    log = WORK / "raw-model.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=sink,
+            text=True,
+        )
+        try:
+            yield RawModel(process)
+        finally:
+            assert process.stdin is not None
+            process.stdin.close()  # its loop ends; then it exits
+            stop(process)
+
+
+def raw_rounds(
+    config: Config, served: RunningServer, raw: RawModel, bodies: Path
+) -> list[RawRound]:
+    """Served at TARGET_CLIENTS and raw at batch 32, in RAW_ROUNDS rounds whose order
+    alternates."""
+    rounds: list[RawRound] = []
+    for number in range(RAW_ROUNDS):
+        found: dict[str, Any] = {}
+        for which in ("served", "raw") if number % 2 == 0 else ("raw", "served"):
+            if which == "served":
+                found["served"] = measure("served", served, TARGET_CLIENTS, config, bodies)
+            else:
+                found["raw"] = raw.measure(config.duration, ["batch32"])
+        rounds.append(
+            RawRound(
+                served_texts_per_s=found["served"].requests_per_s,
+                raw_texts_per_s=round(found["raw"]["batch32"], 1),
+                raw_other_cores=found["raw"]["other_cores"],
+            )
+        )
+        print(json.dumps({"raw_round": asdict(rounds[-1])}), flush=True)
+    return rounds
 
 
 def cache_hit(config: Config, text: str) -> CacheHit:
@@ -611,16 +694,24 @@ def by_clients(points: list[Point], system: str) -> dict[int, Point]:
     return {p.clients: p for p in points if p.system == system}
 
 
+def served_vs_raw(rounds: list[RawRound]) -> float:
+    """Served at TARGET_CLIENTS over the raw model at batch 32: the median of the rounds'."""
+    return statistics.median(round_.ratio for round_ in rounds)
+
+
 def targets(
     points: list[Point],
     raw: dict[str, float],
+    rounds: list[RawRound],
     hit: CacheHit,
     loads: list[tuple[LoadRun, LoadRun]],
 ) -> list[dict[str, Any]]:
     """Each target with the measured value and whether it is met.
 
     The targets are judged on "served" (the shipped settings); "variant", when measured, is
-    checked against the same throughput and latency targets for comparison.
+    checked against the same throughput and latency targets for comparison. Served/raw is
+    the median of the rounds in which the two took turns; the variant's, its one run at
+    TARGET_CLIENTS over the raw model's median.
     """
     naive = by_clients(points, "naive")
     found: list[dict[str, Any]] = []
@@ -631,7 +722,7 @@ def targets(
         if TARGET_CLIENTS in mine and TARGET_CLIENTS in naive:
             at = mine[TARGET_CLIENTS].requests_per_s
             vs_naive = at / naive[TARGET_CLIENTS].requests_per_s
-            vs_raw = at / raw["batch32"]
+            vs_raw = served_vs_raw(rounds) if system == "served" else at / raw["batch32"]
             name = f"at {TARGET_CLIENTS} clients"
             found.append(
                 target(f"{system} ≥ {TARGET_VS_NAIVE:g}× naive {name}", vs_naive, TARGET_VS_NAIVE)
@@ -801,9 +892,24 @@ def overload_table(loads: list[tuple[LoadRun, LoadRun]]) -> list[str]:
     return lines
 
 
+def raw_rounds_table(rounds: list[RawRound]) -> list[str]:
+    lines = [
+        f"| round | served texts/s ({TARGET_CLIENTS} clients) | raw texts/s (batch 32) "
+        "| served / raw | other cores during raw |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for number, round_ in enumerate(rounds, start=1):
+        lines.append(
+            f"| {number} | {round_.served_texts_per_s:.1f} | {round_.raw_texts_per_s:.1f} "
+            f"| {round_.ratio:.2f} | {round_.raw_other_cores:.2f} |"
+        )
+    return lines
+
+
 def markdown(
     points: list[Point],
     raw: dict[str, float],
+    rounds: list[RawRound],
     hit: CacheHit,
     found: list[dict[str, Any]],
     meta: dict[str, Any],
@@ -852,11 +958,19 @@ def markdown(
         ),
         f"Raw model (no HTTP, one process, pre-tokenized, {config['duration']:g} s each): "
         f"**{raw['batch32']:.1f} texts/s** at batch 32 in the texts' order, run as the server "
-        f"runs it ({'packed' if raw['packed'] else 'padded'}; the 'raw' above); "
+        f"runs it ({'packed' if raw['packed'] else 'padded'}; the 'raw' above: the median of "
+        f"its {len(rounds)} runs in turn with served, below); "
         f"{raw['batch32_sorted']:.1f} texts/s with the texts sorted by length first; "
         f"{raw['batch32_padded']:.1f} texts/s padded in the texts' order; "
         f"{raw['batch1']:.1f} texts/s at batch 1 (the most a server without batching could "
         f"do). Mean text length {raw['mean_tokens']:.1f} tokens.",
+        "",
+        f"Served at {TARGET_CLIENTS} clients and the raw model at batch 32 taking turns, in "
+        f"{len(rounds)} rounds whose order alternates (the raw model stays loaded in its own "
+        "process beside the idle servers): served / raw is the median of the rounds' ratios, "
+        f"**{served_vs_raw(rounds):.2f}**. The table above divides by the raw median.",
+        "",
+        *raw_rounds_table(rounds),
         "",
         f"Long texts (SMS texts joined to ≥ {LONG_TEXT_CHARS} characters, cut to the model's "
         f"max length; {long[1]['mean_tokens']:.1f} tokens a text): served "
@@ -1057,13 +1171,19 @@ def main(argv: list[str] | None = None) -> int:
     long_bodies = write_bodies(joined_texts(texts, LONG_TEXT_CHARS), WORK / "long-bodies.jsonl")
     literals = write_literals(texts, WORK / "texts.jsonl")
 
-    points = served_and_naive(config, bodies)
-    raw = raw_model(config, bodies)
-    long = (long_texts(config, long_bodies), raw_model(config, long_bodies))
+    with raw_model(config, bodies) as model:
+        points, rounds = served_and_naive(config, bodies, model)
+        raw = {**model.measure(config.duration), **model.described}
+    # The model's own limit is the median of its runs beside the served ones; the single run
+    # of every batching above gives the others (sorted, padded, batch 1).
+    raw["batch32"] = statistics.median(round_.raw_texts_per_s for round_ in rounds)
+    long_point = long_texts(config, long_bodies)
+    with raw_model(config, long_bodies) as model:
+        long = (long_point, {**model.measure(config.duration, ["batch32"]), **model.described})
     hit = cache_hit(config, texts[0])
     loads = overload(config, literals)
 
-    found = targets(points, raw, hit, loads)
+    found = targets(points, raw, rounds, hit, loads)
     given = sys.argv[1:] if argv is None else argv
     meta = {
         "command": " ".join(["python -m bench.throughput", *given]),
@@ -1074,11 +1194,12 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**asdict(config), "out": shown(config.out)},
         "run_seconds": round(time.monotonic() - started),
     }
-    text = markdown(points, raw, hit, found, meta, long, loads)
+    text = markdown(points, raw, rounds, hit, found, meta, long, loads)
     data = {
         "meta": meta,
         "points": [asdict(p) for p in points],
         "raw_texts_per_s": raw,
+        "served_vs_raw_rounds": [asdict(round_) for round_ in rounds],
         "long_texts": {"served": asdict(long[0]), "raw_texts_per_s": long[1]},
         "cache_hit": asdict(hit),
         "overload": [[asdict(run) for run in round_] for round_ in loads],
