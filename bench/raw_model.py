@@ -9,8 +9,7 @@ texts/s for each way of forming batches.
 
 With `--serve` it stays up instead: it prints one JSON line once loaded (the texts' mean
 length, whether it packs), then answers each line read on stdin, a JSON object
-`{"seconds": s, "batchings": [...]}`, with one JSON line of texts/s for each batching named
-(every one when none is named).
+`{"seconds": s, "batchings": [...]}`, with one JSON line of texts/s for each batching named.
 `bench.throughput` runs the model's own limit this way between its served runs, so that the
 ratio of the two is not the machine's drift between two moments minutes apart.
 
@@ -110,8 +109,7 @@ def serve(measure: Measure, described: dict[str, float]) -> None:
     print(json.dumps(described), flush=True)
     for line in sys.stdin:
         asked = json.loads(line)
-        names = asked.get("batchings", BATCHINGS)
-        found = {name: measure(name, float(asked["seconds"])) for name in names}
+        found = {name: measure(name, float(asked["seconds"])) for name in asked["batchings"]}
         print(json.dumps(found), flush=True)
 
 

@@ -517,20 +517,20 @@ class RawModel:
                 return found
         raise RuntimeError(f"bench.raw_model exited with {self._process.wait()}")
 
-    def measure(self, seconds: float, batchings: list[str] | None = None) -> dict[str, float]:
-        """Texts/s of each batching named (None: every one), measured again once if other
-        processes took cores meanwhile."""
+    def measure(self, seconds: float, batchings: list[str]) -> dict[str, float]:
+        """Texts/s of each batching named, measured again once if other processes took cores
+        meanwhile."""
         found = self._measure_once(seconds, batchings)
         if found["other_cores"] > OTHER_CORES_MAX:
             print(f"other processes took {found['other_cores']} cores: again", flush=True)
             found = {**self._measure_once(seconds, batchings), "attempts": 2}
         return found
 
-    def _measure_once(self, seconds: float, batchings: list[str] | None) -> dict[str, float]:
+    def _measure_once(self, seconds: float, batchings: list[str]) -> dict[str, float]:
         assert self._process.stdin is not None
         cpu, busy = process_cpu_seconds(self._process.pid), busy_cpu_seconds()
         start = time.monotonic()
-        asked = {"seconds": seconds, **({} if batchings is None else {"batchings": batchings})}
+        asked = {"seconds": seconds, "batchings": batchings}
         self._process.stdin.write(json.dumps(asked) + "\n")
         self._process.stdin.flush()
         found = self._read()
@@ -1173,10 +1173,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with raw_model(config, bodies) as model:
         points, rounds = served_and_naive(config, bodies, model)
-        raw = {**model.measure(config.duration), **model.described}
-    # The model's own limit is the median of its runs beside the served ones; the single run
-    # of every batching above gives the others (sorted, padded, batch 1).
-    raw["batch32"] = statistics.median(round_.raw_texts_per_s for round_ in rounds)
+        others = model.measure(config.duration, ["batch32_sorted", "batch32_padded", "batch1"])
+    # The model's own limit is the median of its runs beside the served ones; one run each
+    # gives the other batchings.
+    batch32 = statistics.median(round_.raw_texts_per_s for round_ in rounds)
+    raw = {"batch32": batch32, **others, **model.described}
     long_point = long_texts(config, long_bodies)
     with raw_model(config, long_bodies) as model:
         long = (long_point, {**model.measure(config.duration, ["batch32"]), **model.described})
