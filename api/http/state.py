@@ -12,6 +12,9 @@ from api.serving.cascade import Cascade
 from api.serving.classify import ModelRunner
 from api.settings import Settings
 
+# What a client is told to wait while the service is not serving (loading, draining).
+RETRY_AFTER_LOADING_SECONDS = "5"
+
 
 class Phase(str, Enum):
     LOADING = "loading"

@@ -8,8 +8,8 @@ from pathlib import Path
 from fastapi import APIRouter
 
 from api.http.errors import Conflict, InvalidInput, NotFound
+from api.http.lifecycle import check_serving
 from api.http.routes.common import State
-from api.http.routes.tei import check_serving
 from api.http.schemas import (
     AdapterEntry,
     AdapterLoaded,

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ValidationError
 from api.http.schemas import inline_schema
 from api.http.state import ServiceState
 
-RETRY_AFTER_LOADING_SECONDS = "5"
 Body = TypeVar("Body", bound=BaseModel)
 
 

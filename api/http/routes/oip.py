@@ -27,8 +27,8 @@ from pydantic import ValidationError
 
 from api import __version__
 from api.http.errors import BadRequest, InvalidInput, NotFound
-from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State, json_body
-from api.http.routes.tei import check_limits, check_serving, classify, request_timeout
+from api.http.lifecycle import check_limits, check_serving, classify, request_timeout
+from api.http.routes.common import State, json_body
 from api.http.schemas import (
     OipError,
     OipInferenceRequest,
@@ -42,7 +42,7 @@ from api.http.schemas import (
     OipTensorMetadata,
     first_lone_surrogate,
 )
-from api.http.state import ServiceState
+from api.http.state import RETRY_AFTER_LOADING_SECONDS, ServiceState
 from api.serving.cascade import CASCADE_NAME, cascade_models
 
 INPUT = "input-0"

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api import __version__
-from api.http.routes.common import RETRY_AFTER_LOADING_SECONDS, State
+from api.http.routes.common import State
 from api.http.schemas import (
     CascadeInfo,
     ClassifierType,
@@ -19,7 +19,7 @@ from api.http.schemas import (
     ReadyResponse,
     ServableIdentity,
 )
-from api.http.state import Phase, ServiceState
+from api.http.state import RETRY_AFTER_LOADING_SECONDS, Phase, ServiceState
 from api.models.loader import low_cpu_mem_usage_effect
 from api.models.registry import ServedModel
 from api.serving.classify import ModelRunner
