@@ -38,6 +38,31 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 Answer = TypeVar("Answer")
 
 
+@dataclass(frozen=True)
+class Call:
+    """What a protocol asks, once its wire format is read: which model (None: the first, or
+    the cascade by its name) and adapter, the texts, truncation, and whether caches serve."""
+
+    model: str | None
+    adapter: str | None
+    texts: list[str]
+    truncate: bool = True
+    use_cache: bool = True
+
+
+async def handle(request: Request, state: ServiceState, call: Call) -> Done:
+    """The one lifecycle of a classifying request: serving, deadline, limits, classify.
+    Every refusal comes out as an HTTP error of api.http.errors."""
+    check_serving(state)
+    # The one deadline of this request: every stage (the cascade's two included) shares it.
+    deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
+    check_limits(call.texts, state)
+    cache = state.cache if call.use_cache else None
+    return await classify(
+        request, state, call.model, call.adapter, call.texts, call.truncate, cache, deadline
+    )
+
+
 def check_serving(state: ServiceState) -> None:
     """503 with `Retry-After` unless the service is ready (loading, draining, failed)."""
     if not state.serving:

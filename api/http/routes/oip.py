@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import struct
-import time
 import uuid
 from typing import Any
 
@@ -27,7 +26,7 @@ from pydantic import ValidationError
 
 from api import __version__
 from api.http.errors import BadRequest, InvalidInput, NotFound
-from api.http.lifecycle import check_limits, check_serving, classify, request_timeout
+from api.http.lifecycle import Call, handle
 from api.http.routes.common import State, json_body
 from api.http.schemas import (
     OipError,
@@ -125,12 +124,9 @@ async def infer(name: str, request: Request, state: State) -> Response:
     """Classifies the texts of the one BYTES input with the model or the cascade."""
     payload, binary = parse_request(await request.body(), request.headers.get(HEADER_LENGTH))
     wanted = requested_outputs(payload)
-    check_serving(state)
-    deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
     texts = input_texts(payload.inputs[0], binary)
-    check_limits(texts, state)
     adapter = payload.parameters.adapter if payload.parameters else None
-    done = await classify(request, state, name, adapter, texts, True, state.cache, deadline)
+    done = await handle(request, state, Call(name, adapter, texts))
     probabilities = [list(scores.probabilities) for scores in done.result.scores]
     classes = [max(range(len(row)), key=row.__getitem__) for row in probabilities]
     outputs: dict[str, dict[str, Any]] = {

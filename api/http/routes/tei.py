@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import time
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.http.lifecycle import check_limits, check_serving, classify, request_timeout
+from api.http.lifecycle import Call, handle
 from api.http.routes.common import json_body, read_body, state_of
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.models.predictor import Scores
@@ -30,17 +29,9 @@ PREDICT_BODY = json_body(PredictRequest)
 )
 async def predict(request: Request) -> Response:
     """Classifies one text or a list of texts, with one model or the cascade."""
-    state = state_of(request)
     body = await read_body(request, PredictRequest)
-    check_serving(state)
-    # The one deadline of this request: every stage (the cascade's two included) shares it.
-    deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
-    texts = body.texts
-    check_limits(texts, state)
-    cache = state.cache if body.cache else None
-    done = await classify(
-        request, state, body.model, body.adapter, texts, body.truncate, cache, deadline
-    )
+    call = Call(body.model, body.adapter, body.texts, body.truncate, body.cache)
+    done = await handle(request, state_of(request), call)
     result, labels = done.result, done.labels
     headers = done.headers(body.model or done.answered_by[0])
     ranked = [rank(labels, s, body.scores_shown, body.best) for s in result.scores]
