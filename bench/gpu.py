@@ -98,7 +98,7 @@ SMOKE = Plan(
 
 
 def models_file(path: Path, built: BuiltModels, max_length: int) -> Path:
-    """The users' models file (README's), pointing at the built folders."""
+    """The users' models file (docs/models.md's), pointing at the built folders."""
     common = {"labels": LABELS, "max_length": max_length}
     entries: list[dict[str, Any]] = [
         {

@@ -353,7 +353,7 @@ def notes(meta: dict[str, Any]) -> list[str]:
         f"{shapes['koelectra_lora_rank']} LoRA on query/value and its head. Random weights, "
         "drawn on the device (bench/gpu_models.py): the costs are a trained model's, the "
         "answers are not.",
-        "- Declared as the README's users' models file: EXAONE nf4 (double quantization, "
+        "- Declared as the users' models file of docs/models.md: EXAONE nf4 (double quantization, "
         f"bfloat16 compute), KoELECTRA bfloat16, max_length {max(meta['plan']['lengths'])}, "
         "MAX_MEMORY_GB=16; caches off.",
         "- Tokenizers: word-level over made-up words, so that each text is exactly "

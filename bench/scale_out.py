@@ -1,4 +1,4 @@
-"""Scale-out figures for the README's "Scaling out": what a replica costs, a cross-replica hit
+"""Scale-out figures for docs/scaling.md: what a replica costs, a cross-replica hit
 through Redis, and the queue wait the autoscaler reads as the load grows.
 
 Run: `python -m bench.scale_out` (or `make bench-scale`); needs Debian's redis-server and

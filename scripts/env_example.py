@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from pydantic.fields import FieldInfo
+
 from api.settings import Settings
 
 HEADER = """\
@@ -38,6 +40,14 @@ REDIS_MAXMEMORY=256mb
 OUTPUT = Path(__file__).resolve().parents[1] / ".env.example"
 
 
+def shown_default(field: FieldInfo) -> str | None:
+    """A setting's default as written in `.env`; None when it is unset by default."""
+    default = field.get_default(call_default_factory=True)
+    if default is None:
+        return None
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
 def render() -> str:
     """The file's text: one commented line of description, then NAME=default."""
     lines = [HEADER]
@@ -45,17 +55,10 @@ def render() -> str:
         if name == "adapter_dirs":
             lines.append(f"# {field.description}\n# EXAONE_ADAPTER_DIR=/srv/adapters/exaone-spam\n")
             continue
-        default = field.get_default(call_default_factory=True)
-        if default is None:  # unset: left commented, since an empty value is not "unset"
+        shown = shown_default(field)
+        if shown is None:  # unset: left commented, since an empty value is not "unset"
             lines.append(f"# {field.description}\n# {name.upper()}=\n")
             continue
-        shown = (
-            ""
-            if default is None
-            else str(default).lower()
-            if isinstance(default, bool)
-            else str(default)
-        )
         lines.append(f"# {field.description}\n{name.upper()}={shown}\n")
     return "\n".join([*lines, STACK])
 

@@ -71,8 +71,8 @@ def test_overload_keeps_the_200s_under_the_target_at_full_throughput(tmp_path: P
         "DISK_CACHE_MAX_BYTES": "0",
         "LATENCY_TARGET_SECONDS": str(TARGET_SECONDS),
         # One intra-op thread: with two, every parallel region waits for a thread the client
-        # process has descheduled, and forwards stall for seconds at random (README, "mind
-        # the threads"); no estimate from past batches can foresee that.
+        # process has descheduled, and forwards stall for seconds at random (docs/loading.md,
+        # "Speed and memory on this CPU"); no estimate from past batches can foresee that.
         "TORCH_NUM_THREADS": "1",
     }
     with run_server(env, tmp_path) as server:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from starlette.routing import BaseRoute, Route
 
 from api.http.app import create_app
 from api.http.middleware.auth import OPEN_PATHS
+from tests.app_routes import walk
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
 
@@ -32,16 +32,6 @@ def client(tiny_bert: TinyModel, tmp_path: object) -> Iterator[TestClient]:
         while client.get("/ready").status_code != 200:
             time.sleep(0.02)
         yield client
-
-
-def walk(routes: Iterable[BaseRoute]) -> Iterator[Route]:
-    """Every route, also inside included routers (FastAPI keeps those nested)."""
-    for route in routes:
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            yield from walk(inner.routes)
-        elif isinstance(route, Route):
-            yield route
 
 
 def every_route(client: TestClient) -> list[tuple[str, str]]:

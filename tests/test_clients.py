@@ -17,7 +17,7 @@ from huggingface_hub import AsyncInferenceClient, InferenceClient
 from tests.server_process import ServerProcess, run_server
 from tests.tiny_models import embedded_encoder_file
 
-# The README's examples.
+# The examples of docs/api.md.
 SPAM = "WINNER!! Claim your £900 prize now"
 HAM = "Lunch tomorrow?"
 
@@ -89,7 +89,7 @@ def test_info_has_the_fields_tei_gives_a_classifier(server: ServerProcess) -> No
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl (Debian package curl)")
-def test_the_readme_curl_example_answers_a_list(server: ServerProcess) -> None:
+def test_the_documented_curl_example_answers_a_list(server: ServerProcess) -> None:
     body = json.dumps({"inputs": [SPAM, HAM], "top_k": 1}, ensure_ascii=False)
     output = subprocess.run(
         ["curl", "-s", f"{server.url}/predict", "-H", "Content-Type: application/json", "-d", body],

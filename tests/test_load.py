@@ -2,8 +2,9 @@
 
 Bounded in time, loopback only; both caches off, so every text really runs through the model.
 The client is tests/load_client.py (raw asyncio streams; why not wrk or hey is said there).
-Each test prints one JSON line of figures, for the README (`pytest -s tests/test_load.py`);
-run it on an idle machine (`cat /proc/loadavg`), since every figure shares the 2 cores.
+Each test prints one JSON line of figures, for bench/reports/measured_in_tests.md
+(`pytest -s tests/test_load.py`); run it on an idle machine (`cat /proc/loadavg`), since every
+figure shares the 2 cores.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_max_memory_gb_is_one_budget_per_device_that_later_models_share() -> Non
     assert max_memory_map(None, 1, {}) is None
     # First: the whole budget, on the GPU and for what accelerate would put on the CPU.
     assert max_memory_map(16, 1, {}) == {0: 16 * GIB, "cpu": 16 * GIB}
-    exaone = {0: 1_700_000_000}  # README's arithmetic: 4-bit layers and bf16 embeddings
+    exaone = {0: 1_700_000_000}  # docs/loading.md's arithmetic: 4-bit layers and bf16 embeddings
     assert max_memory_map(16, 1, exaone) == {0: 16 * GIB - 1_700_000_000, "cpu": 16 * GIB}
     # A third model after both gets what both left; a budget spent gives nothing, not less.
     both = {0: 1_700_000_000 + 30_000_000}

@@ -19,12 +19,12 @@ from tritonclient.utils import InferenceServerException
 from tests.server_process import ServerProcess, run_server
 from tests.tiny_models import embedded_encoder_file, write_models_file
 
-# The README's example texts.
+# The documentation's example texts (docs/api.md).
 SPAM = "WINNER!! Claim your £900 prize now"
 HAM = "Lunch tomorrow?"
 MODEL = "spam-minilm"
 SECOND = "spam-minilm-b"  # the same encoder under a second name: a cascade without the LLM
-README = Path(__file__).resolve().parents[1] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +73,15 @@ def refusal(call: object) -> InferenceServerException:
     return caught.value
 
 
-def test_the_readme_example_runs_word_for_word(server: ServerProcess) -> None:
-    readme = README.read_text(encoding="utf-8")
-    part = readme[readme.index("#### Open Inference Protocol (KServe v2)") :]
+def test_the_documented_example_runs_word_for_word(server: ServerProcess) -> None:
+    page = API_PAGE.read_text(encoding="utf-8")
+    part = page[page.index("## Open Inference Protocol (KServe v2)") :]
     code = re.search(r"```python\n(.*?)```", part, re.DOTALL)
     assert code is not None
     source = code.group(1).replace("127.0.0.1:8000", server.url.removeprefix("http://"))
     assert SPAM in source and HAM in source
     scope: dict[str, object] = {}
-    exec(compile(source, "README.md", "exec"), scope)  # our own README's example
+    exec(compile(source, "docs/api.md", "exec"), scope)  # our own documentation's example
     assert scope["classes"].tolist() == [1, 0]  # type: ignore[attr-defined]
     assert scope["probabilities"].shape == (2, 2)  # type: ignore[attr-defined]
 

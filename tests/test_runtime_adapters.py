@@ -35,7 +35,7 @@ TEXTS = [
     for index in range(40)
 ]
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
-README = Path(__file__).resolve().parents[1] / "README.md"
+ADAPTERS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "adapters.md"
 
 
 @dataclass(frozen=True)
@@ -423,14 +423,13 @@ def test_the_watched_folder_is_followed_and_a_restart_serves_the_same_set(
         assert predict(client, TEXTS[0], "beta").status_code == 404
 
 
-# --- the README's example --------------------------------------------------------------------
+# --- the documentation's example (docs/adapters.md) ----------------------------------------------
 
 
-def test_the_readme_curl_example_runs_word_for_word(
+def test_the_documented_curl_example_runs_word_for_word(
     tiny_bert: TinyModel, weights: dict[str, Weights], tmp_path: Path
 ) -> None:
-    readme = README.read_text(encoding="utf-8")
-    part = readme[readme.index("## Adapters at run time") :]
+    part = ADAPTERS_PAGE.read_text(encoding="utf-8")
     found = re.search(r"```bash\n(.*?)```", part, re.DOTALL)
     assert found is not None
     v1 = weights["v1"]
