@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from xml.sax.saxutils import escape as xml_escape
 
 from api.settings import Settings
 from scripts.env_example import shown_default
@@ -102,3 +103,54 @@ def request_bodies(schema: dict[str, Any]) -> str:
                 rows.append(f"| `{name}` | {_cell(_type(prop))} | {default} | {meaning} |")
             sections.append("\n".join(rows))
     return "\n\n".join(sections)
+
+
+# The dashboard's picture: Grafana's grid is 24 columns wide, its rows 30 px high.
+GRID_COLUMNS = 24
+CELL_WIDTH = 40
+ROW_HEIGHT = 30
+PANEL_GAP = 4
+PANEL_FILL = {"stat": "#e8f3ec", "table": "#eef0f7", "bargauge": "#fbf1e3"}
+TIMESERIES_FILL = "#f2f5fa"
+
+
+def dashboard_panels_table(dashboard: dict[str, Any]) -> str:
+    """Each panel of a Grafana dashboard: its title and its description, in grid order."""
+    rows = ["| panel | what it tells |", "|---|---|"]
+    for panel in _panels_in_order(dashboard):
+        rows.append(f"| {_cell(panel['title'])} | {_cell(panel.get('description', ''))} |")
+    return "\n".join(rows)
+
+
+def _panels_in_order(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    panels: list[dict[str, Any]] = dashboard["panels"]
+    return sorted(panels, key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+
+
+def dashboard_svg(dashboard: dict[str, Any]) -> str:
+    """A picture of the dashboard's layout: every panel where Grafana puts it, with its title
+    and kind (Grafana itself cannot run where the site is built)."""
+    bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dashboard["panels"])
+    width, height = GRID_COLUMNS * CELL_WIDTH, bottom * ROW_HEIGHT + 40
+    shapes = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="8" y="26" font-size="18" font-weight="bold">'
+        f"{xml_escape(dashboard.get('title', ''))}</text>",
+    ]
+    for panel in _panels_in_order(dashboard):
+        grid = panel["gridPos"]
+        x, y = grid["x"] * CELL_WIDTH + PANEL_GAP, grid["y"] * ROW_HEIGHT + 40 + PANEL_GAP
+        w, h = grid["w"] * CELL_WIDTH - 2 * PANEL_GAP, grid["h"] * ROW_HEIGHT - 2 * PANEL_GAP
+        fill = PANEL_FILL.get(panel.get("type", ""), TIMESERIES_FILL)
+        shapes += [
+            f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="{fill}" '
+            'stroke="#9aa5b8"/>',
+            f'<text x="{x + 8}" y="{y + 20}" font-size="13" font-weight="bold">'
+            f"{xml_escape(panel['title'])}</text>",
+            f'<text x="{x + 8}" y="{y + 38}" font-size="11" fill="#5b6577">'
+            f"{xml_escape(panel.get('type', ''))}</text>",
+        ]
+    shapes.append("</svg>")
+    return "\n".join(shapes) + "\n"

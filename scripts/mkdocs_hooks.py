@@ -1,12 +1,14 @@
 """mkdocs hooks (mkdocs.yml `hooks:`): fill the documentation's generated parts at build time.
 
 A page holds a marker comment where a generated part goes; the settings table and the HTTP
-reference come from the code (scripts/docs_reference.py), and the OpenAPI schema is written
-into the site as `openapi.json`.
+reference come from the code, the dashboard's panels and its picture from its JSON
+(scripts/docs_reference.py), and the OpenAPI schema is written into the site as
+`reference/openapi.json`.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from functools import cache
 from pathlib import Path
@@ -33,6 +35,8 @@ REPOSITORY_FILES = (
     "data/README.md",
 )
 CHANGELOG = "CHANGELOG.md"
+DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "loraserve.json"
+DASHBOARD_PICTURE = "img/dashboard-loraserve.svg"
 
 
 @cache
@@ -40,23 +44,32 @@ def _schema() -> dict[str, Any]:
     return docs_reference.openapi_schema()
 
 
+@cache
+def _dashboard() -> dict[str, Any]:
+    dashboard: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return dashboard
+
+
 def _generated() -> dict[str, Any]:
     return {
         "<!-- generated: settings -->": docs_reference.settings_table,
         "<!-- generated: routes -->": lambda: docs_reference.routes_table(_schema()),
         "<!-- generated: request bodies -->": lambda: docs_reference.request_bodies(_schema()),
+        "<!-- generated: dashboard panels -->": lambda: docs_reference.dashboard_panels_table(
+            _dashboard()
+        ),
     }
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    files.append(
-        File.generated(config, OPENAPI_FILE, content=docs_reference.openapi_json(_schema()))
-    )
+    schema = docs_reference.openapi_json(_schema())
+    files.append(File.generated(config, OPENAPI_FILE, content=schema))
+    picture = docs_reference.dashboard_svg(_dashboard())
+    files.append(File.generated(config, DASHBOARD_PICTURE, content=picture))
     for pattern in REPOSITORY_FILES:
         for path in sorted(ROOT.glob(pattern)):
-            files.append(
-                File.generated(config, path.relative_to(ROOT).as_posix(), abs_src_path=str(path))
-            )
+            published = path.relative_to(ROOT).as_posix()
+            files.append(File.generated(config, published, abs_src_path=str(path)))
     files.append(File.generated(config, "changelog.md", abs_src_path=str(ROOT / CHANGELOG)))
     return files
 

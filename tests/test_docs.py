@@ -5,6 +5,7 @@ README stays a landing page whose links lead somewhere."""
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ from tests.app_routes import walk
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
+DASHBOARD = REPO_ROOT / "docker" / "grafana" / "dashboards" / "loraserve.json"
 MIN_PAGES = 8
 README_MAX_LINES = 300
 README_MAX_BYTES = 20_000
@@ -92,6 +94,16 @@ def test_the_api_reference_lists_every_route_of_the_app(site: Path) -> None:
         assert re.search(rf"{method}\s+{re.escape(path)}\s", text), (method, path)
     schema = (site / "reference" / "openapi.json").read_text(encoding="utf-8")
     assert all(f'"{path}"' in schema for _, path in routes)
+
+
+def test_the_observability_page_shows_every_dashboard_panel(site: Path) -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    titles = [panel["title"] for panel in dashboard["panels"]]
+    assert len(titles) >= MIN_PAGES
+    text = page_text(site, "observability")
+    picture = html.unescape((site / "img" / "dashboard-loraserve.svg").read_text(encoding="utf-8"))
+    for title in titles:
+        assert title in text and f">{title}<" in picture, title
 
 
 def test_no_page_narrates_an_earlier_state_of_the_code() -> None:
