@@ -208,16 +208,13 @@ def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | Non
 
 
 def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
-    """The safetensors folder made from the spec's GGUF, converting it on first use."""
+    """The safetensors folder made from the spec's GGUF (found by its pinned sha256),
+    converting it on first use."""
     assert spec.gguf is not None
-    folder = settings.model_cache_folder / spec.base
-    if (folder / "config.json").is_file():
-        return folder
-    from api.models.convert.gguf import GgufError, convert_gguf
+    from api.models.convert.gguf import GgufError, converted_gguf
 
-    logger.info("model %s: converting %s into %s (once)", spec.name, spec.gguf.file, folder)
     try:
-        return convert_gguf(Path(spec.gguf.file), spec.gguf.sha256, folder)
+        return converted_gguf(Path(spec.gguf.file), spec.gguf.sha256, settings.model_cache_folder)
     except GgufError as exc:
         raise LoadError(spec.name, spec.gguf.file, str(exc)) from None
 
