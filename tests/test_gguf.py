@@ -408,3 +408,41 @@ def test_a_new_gguf_under_an_old_name_is_converted_again_and_served(
     assert want != pytest.approx(old, abs=1e-2)  # the two releases answer apart
     converted = sorted(p.name for p in (tmp_path / "model-cache" / "gguf").iterdir())
     assert converted == sorted([tiny_gguf.sha256, new.sha256])
+
+
+# peft notes that the adapter was built on another folder holding the same weights.
+@pytest.mark.filterwarnings("ignore:The PEFT config's `base_model_name_or_path` was renamed")
+def test_two_starts_racing_on_one_cache_both_serve_and_agree(
+    tiny_gguf: TinyGguf, tmp_path: Path
+) -> None:
+    """Two replicas start together on one empty cache: each converts the GGUF and
+    pre-quantizes it in a staging folder of its own (while the other sweeps the cache for
+    dead writers' folders); the first rename publishes, the other keeps what it finds."""
+    adapter = gguf_adapter(tiny_gguf, tmp_path)
+    entry = {
+        "name": "tiny-gguf",
+        "base": "tiny-llama",
+        "gguf": {"file": str(tiny_gguf.path), "sha256": tiny_gguf.sha256},
+        "labels": LABELS,
+        "max_length": 32,
+        "quantization": "nf4",
+        "adapters": [{"name": "spam", "path": str(adapter)}],
+    }
+    cache = tmp_path / "model-cache"
+    env = {
+        "MODELS_FILE": str(write_models_file(tmp_path / "models.yaml", [entry])),
+        "MODEL_CACHE_DIR": str(cache),
+    }
+    with run_server(env, tmp_path) as first, run_server(env, tmp_path) as second:
+        first.wait_ready()
+        second.wait_ready()
+        answers = [served_logits(server, "tiny-gguf") for server in (first, second)]
+        states = [
+            httpx.get(f"{server.url}/models").json()["models"][0]["prequantized_cache"]
+            for server in (first, second)
+        ]
+
+    assert answers[0] == answers[1]
+    assert states in (["written", "written"], ["written", "hit"], ["hit", "written"])
+    assert [p.name for p in (cache / "gguf").iterdir()] == [tiny_gguf.sha256]
+    assert len(list((cache / "prequantized").iterdir())) == 1  # no staging or broken copy
