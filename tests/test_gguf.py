@@ -8,13 +8,16 @@ conversion runs through exactly the code path a downloaded file takes.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import httpx
 import numpy as np
 import pytest
 import torch
+from peft import PeftModel
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -31,7 +34,8 @@ from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec
 from tests.conftest import make_settings
-from tests.tiny_models import LABELS, build_adapter
+from tests.server_process import ServerProcess, run_server
+from tests.tiny_models import LABELS, build_adapter, write_models_file
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS, EOS = 1, 2
@@ -90,13 +94,14 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path: Path, quantized: bool) -> TinyGguf:
-    """A 2-layer Llama and its tokenizer as one GGUF file (F32, or F32 with Q8_0 MLPs)."""
+def write_tiny_gguf(path: Path, quantized: bool, seed: int = 0) -> TinyGguf:
+    """A 2-layer Llama and its tokenizer as one GGUF file (F32, or F32 with Q8_0 MLPs), its
+    weights drawn with `seed`."""
     tokenizer = byte_level_bpe()
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
     merges = [" ".join(pair) for pair in json.loads(tokenizer.to_str())["model"]["merges"]]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokens),
         hidden_size=64,
@@ -280,14 +285,19 @@ def test_an_incomplete_folder_in_the_way_is_refused(tiny_gguf: TinyGguf, tmp_pat
         convert_gguf(tiny_gguf.path, tiny_gguf.sha256, out)
 
 
+def gguf_adapter(tiny_gguf: TinyGguf, tmp_path: Path) -> Path:
+    """A LoRA adapter with a classification head, trained (randomly) against the converted
+    weights, as scripts/train_llm_adapter does."""
+    scratch = convert_gguf(tiny_gguf.path, tiny_gguf.sha256, tmp_path / "scratch")
+    return build_adapter(scratch, tmp_path / "adapter", ["q_proj", "v_proj"], seed=1)
+
+
 # peft notes that the adapter was built on another folder holding the same weights.
 @pytest.mark.filterwarnings("ignore:The PEFT config's `base_model_name_or_path` was renamed")
 def test_loader_converts_a_declared_gguf_once_and_serves_it_with_an_adapter(
     tiny_gguf: TinyGguf, tmp_path: Path
 ) -> None:
-    # The adapter is trained against the converted weights, as scripts/train_llm_adapter does.
-    scratch = convert_gguf(tiny_gguf.path, tiny_gguf.sha256, tmp_path / "scratch")
-    adapter = build_adapter(scratch, tmp_path / "adapter", ["q_proj", "v_proj"], seed=1)
+    adapter = gguf_adapter(tiny_gguf, tmp_path)
     spec = ModelSpec.model_validate(
         {
             "name": "tiny-gguf",
@@ -301,7 +311,7 @@ def test_loader_converts_a_declared_gguf_once_and_serves_it_with_an_adapter(
     settings = make_settings(model_cache_dir=tmp_path / "cache")
 
     loaded = load_model(spec, settings)
-    assert loaded.folder == tmp_path / "cache" / "tiny-llama"
+    assert loaded.folder == tmp_path / "cache" / "gguf" / tiny_gguf.sha256
     assert (loaded.folder / "model.safetensors").is_file()
     scores = Predictor(loaded).predict(["free prize now", "see you at lunch tomorrow ok"])
     assert all(abs(sum(s.probabilities) - 1.0) < 1e-5 for s in scores)
@@ -325,3 +335,114 @@ def test_loader_refuses_a_gguf_whose_sha256_is_not_the_pinned_one(
     with pytest.raises(LoadError, match="does not match pinned") as caught:
         load_model(spec, make_settings(model_cache_dir=tmp_path / "cache"))
     assert str(tiny_gguf.path) in str(caught.value)
+
+
+SERVED_TEXTS = ["free prize now", "see you at lunch tomorrow ok", TEXT]
+
+
+def reference_logits(gguf_path: Path, adapter: Path, texts: list[str]) -> list[float]:
+    """The texts' logits, one after the other, from the GGUF as plain transformers reads it
+    (dequantized into the bfloat16 a conversion stores, computed in float32), with the adapter
+    on top: nothing of the service's conversion, cache or loader."""
+    source, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    base = AutoModelForSequenceClassification.from_pretrained(
+        source, gguf_file=name, dtype=torch.bfloat16, num_labels=len(LABELS)
+    )
+    # transformers refuses `.float()` on a model read from a GGUF: cast tensor by tensor.
+    for tensor in (*base.parameters(), *base.buffers()):
+        tensor.data = tensor.data.float()
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        rows = [model(**tokenizer(text, return_tensors="pt")).logits[0] for text in texts]
+    return torch.cat(rows).tolist()
+
+
+def served_logits(server: ServerProcess, model: str) -> list[float]:
+    """The server's logits for SERVED_TEXTS, one text after the other, in LABELS' order."""
+    answer = httpx.post(
+        f"{server.url}/predict",
+        json={"inputs": SERVED_TEXTS, "model": model, "raw_scores": True, "cache": False},
+    )
+    assert answer.status_code == 200, answer.text
+    return [
+        next(i["score"] for i in row if i["label"] == k) for row in answer.json() for k in LABELS
+    ]
+
+
+# peft notes that the adapter was built on another folder holding the same weights.
+@pytest.mark.filterwarnings("ignore:The PEFT config's `base_model_name_or_path` was renamed")
+def test_a_new_gguf_under_an_old_name_is_converted_again_and_served(
+    tiny_gguf: TinyGguf, tmp_path: Path
+) -> None:
+    adapter = gguf_adapter(tiny_gguf, tmp_path)
+    gguf_file = tmp_path / "models" / "tiny-llama.gguf"  # the one path the models file names
+    gguf_file.parent.mkdir()
+    shutil.copyfile(tiny_gguf.path, gguf_file)
+    entry = {
+        "name": "tiny-gguf",
+        "base": "tiny-llama",
+        "gguf": {"file": str(gguf_file), "sha256": tiny_gguf.sha256},
+        "labels": LABELS,
+        "max_length": 32,
+        "adapters": [{"name": "spam", "path": str(adapter)}],
+    }
+    models = write_models_file(tmp_path / "models.yaml", [entry])
+    env = {"MODELS_FILE": str(models), "MODEL_CACHE_DIR": str(tmp_path / "model-cache")}
+    with run_server(env, tmp_path) as server:
+        server.wait_ready()
+        old = served_logits(server, "tiny-gguf")
+    assert old == pytest.approx(reference_logits(gguf_file, adapter, SERVED_TEXTS), abs=1e-4)
+
+    # A new release of the model: other weights, the same file name and model name.
+    new = write_tiny_gguf(gguf_file, quantized=False, seed=7)
+    write_models_file(models, [{**entry, "gguf": {"file": str(gguf_file), "sha256": new.sha256}}])
+    with run_server(env, tmp_path) as server:
+        server.wait_ready()
+        served = served_logits(server, "tiny-gguf")
+        (listed,) = httpx.get(f"{server.url}/models").json()["models"]
+
+    want = reference_logits(gguf_file, adapter, SERVED_TEXTS)
+    assert listed["revision"] == new.sha256[:12]
+    assert served == pytest.approx(want, abs=1e-4)
+    assert want != pytest.approx(old, abs=1e-2)  # the two releases answer apart
+    converted = sorted(p.name for p in (tmp_path / "model-cache" / "gguf").iterdir())
+    assert converted == sorted([tiny_gguf.sha256, new.sha256])
+
+
+# peft notes that the adapter was built on another folder holding the same weights.
+@pytest.mark.filterwarnings("ignore:The PEFT config's `base_model_name_or_path` was renamed")
+def test_two_starts_racing_on_one_cache_both_serve_and_agree(
+    tiny_gguf: TinyGguf, tmp_path: Path
+) -> None:
+    """Two replicas start together on one empty cache: each converts the GGUF and
+    pre-quantizes it in a staging folder of its own (while the other sweeps the cache for
+    dead writers' folders); the first rename publishes, the other keeps what it finds."""
+    adapter = gguf_adapter(tiny_gguf, tmp_path)
+    entry = {
+        "name": "tiny-gguf",
+        "base": "tiny-llama",
+        "gguf": {"file": str(tiny_gguf.path), "sha256": tiny_gguf.sha256},
+        "labels": LABELS,
+        "max_length": 32,
+        "quantization": "nf4",
+        "adapters": [{"name": "spam", "path": str(adapter)}],
+    }
+    cache = tmp_path / "model-cache"
+    env = {
+        "MODELS_FILE": str(write_models_file(tmp_path / "models.yaml", [entry])),
+        "MODEL_CACHE_DIR": str(cache),
+    }
+    with run_server(env, tmp_path) as first, run_server(env, tmp_path) as second:
+        first.wait_ready()
+        second.wait_ready()
+        answers = [served_logits(server, "tiny-gguf") for server in (first, second)]
+        states = [
+            httpx.get(f"{server.url}/models").json()["models"][0]["prequantized_cache"]
+            for server in (first, second)
+        ]
+
+    assert answers[0] == answers[1]
+    assert states in (["written", "written"], ["written", "hit"], ["hit", "written"])
+    assert [p.name for p in (cache / "gguf").iterdir()] == [tiny_gguf.sha256]
+    assert len(list((cache / "prequantized").iterdir())) == 1  # no staging or broken copy

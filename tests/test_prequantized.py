@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pwd
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -190,22 +194,85 @@ def garble_config_and_its_record(entry: Path) -> None:
     "damage",
     [truncate, overwrite_middle, remove_manifest, garble_manifest, garble_config_and_its_record],
 )
-def test_a_damaged_entry_is_rebuilt_never_served(
+def test_a_damaged_entry_is_set_aside_and_rebuilt_never_served(
     tiny_llama: TinyModel, tmp_path: Path, damage: Callable[[Path], None]
 ) -> None:
     settings = make_settings(model_cache_dir=tmp_path)
     spec = spec_for(tiny_llama, quantization="nf4")
     want = logits(load_model(spec, settings), "spam")
     (entry,) = entries(tmp_path)
-    damage(entry)
 
-    rebuilt = load_model(spec, settings)
+    for times in (1, 2):  # damaged twice: each copy set aside under a name of its own
+        damage(entry)
+        damaged = {p.name: p.read_bytes() for p in entry.iterdir() if p.is_file()}
+        rebuilt = load_model(spec, settings)
 
-    assert rebuilt.prequantized == "rebuilt"
-    assert logits(rebuilt, "spam") == want
-    assert entries(tmp_path) == [entry]  # written again, and nothing left aside
-    assert [path.name for path in (tmp_path / CACHE_FOLDER).iterdir()] == [entry.name]
-    assert load_model(spec, settings).prequantized == "hit"
+        assert rebuilt.prequantized == "rebuilt"
+        assert logits(rebuilt, "spam") == want
+        assert entries(tmp_path) == [entry]  # written again
+        asides = sorted((tmp_path / CACHE_FOLDER).glob(f".{entry.name}.broken-*"))
+        assert len(asides) == times
+        assert any(  # the damaged copy is kept, as it was, for whoever looks into it
+            {p.name: p.read_bytes() for p in aside.iterdir() if p.is_file()} == damaged
+            for aside in asides
+        )
+        assert load_model(spec, settings).prequantized == "hit"
+
+
+def make_unreadable(path: Path) -> None:
+    path.chmod(0)
+
+
+@contextmanager
+def unprivileged() -> Iterator[None]:
+    """The block runs as a user without root's right to read any file whatever its mode
+    (as the service runs in its image); as such a user already, unchanged."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(pwd.getpwnam("nobody").pw_uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+# peft notes that the adapter was built on another folder holding the same weights.
+@pytest.mark.filterwarnings("ignore:The PEFT config's `base_model_name_or_path` was renamed")
+@pytest.mark.parametrize("name", [MANIFEST, "model.safetensors", "config.json"])
+def test_an_entry_that_cannot_be_read_now_is_left_in_place(
+    tiny_llama: TinyModel, name: str
+) -> None:
+    """A permission or I/O error proves nothing about an entry every replica shares: the
+    start quantizes at start and leaves the entry as it is, for the next start to use."""
+    # Everything the load reads, readable by the unprivileged user (pytest's folders are not).
+    with tempfile.TemporaryDirectory(prefix="prequantized-") as shared:
+        root = Path(shared)
+        root.chmod(0o755)
+        shutil.copytree(tiny_llama.base, root / "base")
+        shutil.copytree(tiny_llama.adapters["spam"], root / "spam")
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        spec = spec_for(
+            TinyModel(base=root / "base", adapters={"spam": root / "spam"}),
+            adapters=("spam",),
+            quantization="nf4",
+        )
+        settings = make_settings(model_cache_dir=root / "models")
+        want = logits(load_model(spec, settings), "spam")
+        (entry,) = entries(root / "models")
+        before = {p.name: p.read_bytes() for p in entry.iterdir()}
+        make_unreadable(entry / name)
+
+        with unprivileged():
+            loaded = load_model(spec, settings)
+
+        assert loaded.prequantized == "unreadable"
+        assert logits(loaded, "spam") == want  # quantized at start: the very same answers
+        (entry / name).chmod(0o644)
+        assert {p.name: p.read_bytes() for p in entry.iterdir()} == before
+        assert [p.name for p in (root / "models" / CACHE_FOLDER).iterdir()] == [entry.name]
+        assert load_model(spec, settings).prequantized == "hit"
 
 
 def test_an_unwritable_cache_still_serves(tiny_llama: TinyModel, tmp_path: Path) -> None:

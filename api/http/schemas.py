@@ -145,7 +145,9 @@ class ModelInfo(BaseModel):
     prequantized_cache: str | None = Field(
         description="The pre-quantized checkpoint of an int8/nf4/fp4 model: hit (loaded from "
         "it), written (quantized at start, saved for the next), rebuilt (an unusable one "
-        "replaced), unwritten (the save failed), off; null for other quantizations."
+        "set aside and replaced), unwritten (the save failed), unreadable (it could not be "
+        "read now: quantized at start, the entry left as it is), off; null for other "
+        "quantizations."
     )
     batch_overhead_tokens: float | None = Field(
         description="A forward's fixed cost in tokens, as the batcher uses it; null: no limit."

@@ -26,7 +26,7 @@ from api.models.checkpoint import CheckpointError, folder_fingerprint, verify_fi
 from api.models.convert.exaone import ExaoneError, convert_exaone, is_exaone
 from api.models.convert.exaone_adapter import convert_exaone_adapter
 from api.models.faults import is_out_of_memory, one_line
-from api.models.prequantized import PrequantizedEntry, PrequantizedError
+from api.models.prequantized import EntryUnreadable, PrequantizedEntry, PrequantizedError
 from api.models.quantization import (
     HEAD_MODULES,
     QuantizationRefused,
@@ -98,8 +98,10 @@ class LoadedModel:
     max_memory: dict[int | str, int] | None = None
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     # The pre-quantized checkpoint (bitsandbytes only, else None): "hit" (loaded from it),
-    # "written" (quantized at start and saved), "rebuilt" (an unusable entry replaced),
-    # "unwritten" (quantized at start, the save failed), "off" (PREQUANTIZED_CACHE=false).
+    # "written" (quantized at start and saved), "rebuilt" (an unusable entry set aside and
+    # replaced), "unwritten" (quantized at start, the save failed), "unreadable" (the entry
+    # could not be read now: quantized at start, the entry left as it is), "off"
+    # (PREQUANTIZED_CACHE=false).
     prequantized: str | None = None
 
     @property
@@ -208,16 +210,13 @@ def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | Non
 
 
 def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
-    """The safetensors folder made from the spec's GGUF, converting it on first use."""
+    """The safetensors folder made from the spec's GGUF (found by its pinned sha256),
+    converting it on first use."""
     assert spec.gguf is not None
-    folder = settings.model_cache_folder / spec.base
-    if (folder / "config.json").is_file():
-        return folder
-    from api.models.convert.gguf import GgufError, convert_gguf
+    from api.models.convert.gguf import GgufError, converted_gguf
 
-    logger.info("model %s: converting %s into %s (once)", spec.name, spec.gguf.file, folder)
     try:
-        return convert_gguf(Path(spec.gguf.file), spec.gguf.sha256, folder)
+        return converted_gguf(Path(spec.gguf.file), spec.gguf.sha256, settings.model_cache_folder)
     except GgufError as exc:
         raise LoadError(spec.name, spec.gguf.file, str(exc)) from None
 
@@ -417,9 +416,10 @@ def _find_prequantized(
 ) -> tuple[PrequantizedEntry | None, list[str] | None, str | None]:
     """For a bitsandbytes model with PREQUANTIZED_CACHE on: its pre-quantized entry, the
     base's recorded missing keys when the entry is complete and its files are the bytes
-    written (else None), and what the load is now: "hit", "written" (no entry yet) or
-    "rebuilt" (the entry there was unusable, and is removed). Else no entry, and the state
-    "off", or None for a model that bitsandbytes does not quantize."""
+    written (else None), and what the load is now: "hit", "written" (no entry yet),
+    "rebuilt" (the entry there was unusable, and is set aside) or "unreadable" (it cannot be
+    read now: no entry to load or write, the shared one left alone). Else no entry, and the
+    state "off", or None for a model that bitsandbytes does not quantize."""
     if quant_config is None:
         return None, None, None
     if not settings.prequantized_cache:
@@ -428,11 +428,28 @@ def _find_prequantized(
     entry = PrequantizedEntry.of(cache, spec, base_fingerprint, quant_config, dtype, device)
     try:
         recorded = entry.read_manifest()
+    except EntryUnreadable as exc:
+        logger.warning(
+            "model %s: pre-quantized checkpoint unreadable now, left in place; quantizing at "
+            "start: %s",
+            spec.name,
+            exc,
+        )
+        return None, None, "unreadable"
     except PrequantizedError as exc:
-        logger.warning("model %s: pre-quantized checkpoint unusable, rebuilt: %s", spec.name, exc)
-        entry.discard()
+        _set_aside(entry, spec, exc)
         return entry, None, "rebuilt"
     return entry, recorded, "written" if recorded is None else "hit"
+
+
+def _set_aside(entry: PrequantizedEntry, spec: ModelSpec, reason: Exception) -> None:
+    aside = entry.set_aside()
+    logger.warning(
+        "model %s: pre-quantized checkpoint unusable, rebuilt; the old one is kept as %s: %s",
+        spec.name,
+        aside or "(gone, or not movable)",
+        reason,
+    )
 
 
 def _load_prequantized(
@@ -445,7 +462,7 @@ def _load_prequantized(
     memory: dict[int | str, int] | None,
 ) -> torch.nn.Module | None:
     """The model from its pre-quantized checkpoint; None if transformers cannot read it (the
-    entry is then removed, to be written again)."""
+    entry is then set aside, to be written again)."""
     try:
         # Its config.json carries the quantization_config: transformers reads the quantized
         # tensors as they are, and quantizes nothing.
@@ -455,9 +472,8 @@ def _load_prequantized(
         )
         if lacking:  # it was saved whole, the head included
             raise UnreadableCheckpoint(spec.name, entry.folder, f"tensors missing: {lacking[:3]}")
-    except UnreadableCheckpoint as exc:
-        logger.warning("model %s: pre-quantized checkpoint unreadable, rebuilt: %s", spec.name, exc)
-        entry.discard()
+    except UnreadableCheckpoint as exc:  # its bytes are those written: their format is wrong
+        _set_aside(entry, spec, exc)
         return None
     logger.info("model %s: loaded pre-quantized from %s", spec.name, entry.folder)
     # It is the source's model, quantized: named by the source, as adapters know their base.

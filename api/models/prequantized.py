@@ -12,8 +12,13 @@ files' digests), the bitsandbytes settings, the dtype of the unquantized parts, 
 kind, the task, labels and remote-code flag that decide the model class and head, and the
 versions of torch, transformers and bitsandbytes. A changed source or setting makes a new
 entry; an entry is never served for other sources or settings. An entry is written into a
-staging folder and renamed into place with its manifest last, and one that is incomplete,
-truncated or unreadable is removed and rebuilt rather than trusted.
+staging folder and renamed into place with its manifest last (see staging.staged_folder).
+
+Every replica sharing the cache reads the same entry, so one that cannot be read now (an
+I/O, permission or network error) is left exactly as it is: that start quantizes at start and
+writes nothing. Only an entry proven wrong (incomplete, a size or digest other than written,
+a manifest for another key, files transformers cannot read) is set aside, renamed to
+`.<key>.broken-<uuid4>` (kept for inspection, never deleted here), and written anew.
 
 Saved right after loading, before any forward: bitsandbytes' 4-bit weights saved after
 forwards drift on CPU without double quantization (FINDINGS), and an entry must hold what a
@@ -25,8 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
+import stat
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +55,13 @@ KEYED_LIBRARIES = ("torch", "transformers", "bitsandbytes")
 
 
 class PrequantizedError(Exception):
-    """A pre-quantized entry that cannot be used or written, with the reason."""
+    """A pre-quantized entry proven unusable (or one that cannot be written), with the
+    reason."""
+
+
+class EntryUnreadable(Exception):
+    """A pre-quantized entry that cannot be read now (an OSError): nothing is proven about
+    its bytes, so it is left in place."""
 
 
 @dataclass(frozen=True)
@@ -90,19 +101,24 @@ class PrequantizedEntry:
 
     def read_manifest(self) -> list[str] | None:
         """The base's missing keys as recorded, if the entry is complete and whole; None if
-        there is no entry. A broken entry raises PrequantizedError saying what is wrong.
+        there is no entry. A broken entry raises PrequantizedError saying what is wrong; one
+        that cannot be read now raises EntryUnreadable.
 
         The checkpoint's own missing keys (a head the base lacks, that an adapter must
         provide) are recorded, since the saved model holds that head, randomly initialised.
         """
         path = self.folder / MANIFEST
-        if not self.folder.exists():
-            return None
-        if not path.is_file():
-            raise PrequantizedError(f"{self.folder}: no {MANIFEST}: not a complete entry")
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            if not self.folder.exists():
+                return None
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PrequantizedError(f"{self.folder}: no {MANIFEST}: not a complete entry") from None
+        except OSError as exc:
+            raise EntryUnreadable(f"{path}: cannot read: {one_line(exc)}") from None
+        try:
+            manifest = json.loads(text)
+        except ValueError as exc:
             raise PrequantizedError(f"{path}: unreadable manifest: {exc}") from None
         if not isinstance(manifest, dict) or manifest.get("key") != self.key:
             raise PrequantizedError(f"{path}: written for another key")
@@ -140,22 +156,17 @@ class PrequantizedEntry:
         except Exception as exc:  # save_pretrained raises many types; each becomes one error
             raise PrequantizedError(f"{self.folder}: cannot write: {one_line(exc)}") from None
 
-    def discard(self) -> None:
-        """Removes a broken entry: renamed aside first (atomic), so no later start sees half
-        of it, then deleted. A process still reading it keeps its open files."""
-        if not self.folder.exists():
-            return
-        aside = self.folder.with_name(f".{self.folder.name}.broken-{os.getpid()}")
+    def set_aside(self) -> Path | None:
+        """Renames a broken entry out of the way (atomic: no later start sees half of it) to
+        a name no other replica picks, and keeps it; a process still reading it keeps its
+        open files. Returns where it went; None when it was gone already or cannot be moved
+        (then it stays: a later start judges it again)."""
+        aside = self.folder.with_name(f".{self.folder.name}.broken-{uuid.uuid4().hex}")
         try:
             self.folder.rename(aside)
-        except FileNotFoundError:
-            return  # another process removed it first
         except OSError:
-            aside = self.folder  # a leftover by that name: delete in place instead
-        if aside.is_dir():
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            aside.unlink(missing_ok=True)
+            return None
+        return aside
 
 
 def _check_file(path: Path, written: object) -> None:
@@ -164,10 +175,18 @@ def _check_file(path: Path, written: object) -> None:
     page cache that the load then maps."""
     if not isinstance(written, dict):
         raise PrequantizedError(f"{path}: the manifest lacks its size and sha256")
-    if not path.is_file():
-        raise PrequantizedError(f"{path}: listed in the manifest but missing")
-    size = path.stat().st_size
-    if size != written.get("bytes"):
-        raise PrequantizedError(f"{path}: {size} bytes, written with {written.get('bytes')}")
-    if sha256_of(path) != written.get("sha256"):
+    try:
+        status = path.lstat()  # a link is not followed out of the entry
+        if not stat.S_ISREG(status.st_mode):
+            raise PrequantizedError(f"{path}: listed in the manifest, not a file here")
+        if status.st_size != written.get("bytes"):
+            raise PrequantizedError(
+                f"{path}: {status.st_size} bytes, written with {written.get('bytes')}"
+            )
+        digest = sha256_of(path)
+    except FileNotFoundError:
+        raise PrequantizedError(f"{path}: listed in the manifest but missing") from None
+    except OSError as exc:
+        raise EntryUnreadable(f"{path}: cannot read: {one_line(exc)}") from None
+    if digest != written.get("sha256"):
         raise PrequantizedError(f"{path}: its bytes changed since written (sha256 differs)")

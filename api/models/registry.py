@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from api.models.convert.staging import sweep_stale_staging
 from api.models.loader import LoadedModel, load_model, timed
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec
@@ -131,6 +132,8 @@ class Registry:
         all have stopped)."""
         if self.settings.torch_num_threads is not None:
             torch.set_num_threads(self.settings.torch_num_threads)
+        # What writers killed at an earlier start (of any replica sharing the cache) left.
+        sweep_stale_staging(self.settings.model_cache_folder)
         if self._shares_a_gpu_budget():
             self._load_in_turn()
         else:

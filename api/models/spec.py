@@ -111,7 +111,9 @@ class ModelSpec(BaseModel):
         default_factory=dict, description="Expected sha256 per weight file name."
     )
     gguf: GgufSource | None = Field(
-        None, description="Convert this GGUF into MODEL_CACHE_DIR/<base> when that is missing."
+        None,
+        description="Convert this GGUF into MODEL_CACHE_DIR/gguf/<its sha256> when that is "
+        "missing; `base` then only names the model.",
     )
     adapters: list[AdapterSpec] = Field(default_factory=list)
     default_adapter: str | None = Field(
@@ -252,7 +254,7 @@ def _with_paths_resolved(spec: ModelSpec, root: Path) -> ModelSpec:
         adapter.model_copy(update={"path": (root / adapter.path).resolve()})
         for adapter in spec.adapters
     ]
-    if spec.gguf is not None:  # base names a folder of the model cache, made at load time
+    if spec.gguf is not None:  # base is a name; the folder is the GGUF's, made at load time
         gguf = spec.gguf.model_copy(update={"file": resolve_base(spec.gguf.file, root)})
         return spec.model_copy(update={"gguf": gguf, "adapters": adapters})
     return spec.model_copy(update={"base": resolve_base(spec.base, root), "adapters": adapters})

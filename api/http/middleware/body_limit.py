@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.http.errors import PayloadTooLarge
+from api.http.errors import BadRequest, PayloadTooLarge
+from api.http.lengths import parse_length
 
 
 class BodySizeLimit:
@@ -22,9 +23,17 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
-            return
+        if declared is not None:
+            length = parse_length(declared)
+            if length is None:
+                # uvicorn's parsers refuse such a request before the app; another server
+                # may pass it on. The body's end is unknown: the connection cannot be reused.
+                refusal = BadRequest("Content-Length: not a length", {"Connection": "close"})
+                await refusal.response(scope["path"])(scope, receive, send)
+                return
+            if length > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
         chunks: list[bytes] = []
         size = 0
         while True:

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from api import __version__
 from api.http.errors import BadRequest, InvalidInput, NotFound
+from api.http.lengths import parse_length
 from api.http.lifecycle import Call, handle
 from api.http.routes.common import State, json_body
 from api.http.schemas import (
@@ -165,9 +166,10 @@ def parse_request(body: bytes, header_length: str | None) -> tuple[OipInferenceR
     """The request's JSON part, validated, and the binary part that follows it (if any)."""
     split = len(body)
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        declared = parse_length(header_length)
+        if declared is None or declared > len(body):
             raise BadRequest(f"{HEADER_LENGTH}: not a length within the body")
-        split = int(header_length)
+        split = declared
     try:
         payload = OipInferenceRequest.model_validate_json(body[:split])
     except ValidationError as exc:

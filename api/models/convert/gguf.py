@@ -6,10 +6,16 @@ load, and it will not attach bitsandbytes or LoRA adapters to it the usual way. 
 is checked against its pinned sha256, dequantized once, and written as an ordinary
 transformers folder (config.json, tokenizer files, model.safetensors) that every later load
 reads like any other base.
+
+The folder is MODEL_CACHE_DIR/gguf/<the GGUF's sha256>: named by the bytes it was made from
+(the pinned digest the file is checked against, and the revision `/models` reports), never by
+the model's name, so a new file under an old name is converted anew and served, and one
+cache holds the conversions of every version side by side.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +26,29 @@ from api.models.checkpoint import sha256_of
 from api.models.convert.staging import staged_folder
 from api.models.faults import one_line
 
+logger = logging.getLogger(__name__)
+
 WEIGHTS_FILE = "model.safetensors"
+CACHE_FOLDER = "gguf"
 
 
 class GgufError(Exception):
     """A GGUF file that is missing, not the one pinned, or cannot be converted."""
+
+
+def conversion_folder(cache_root: Path, sha256: str) -> Path:
+    """Where the conversion of the GGUF whose bytes have this sha256 lives."""
+    return cache_root / CACHE_FOLDER / sha256.lower()
+
+
+def converted_gguf(gguf_path: Path, sha256: str, cache_root: Path) -> Path:
+    """The conversion of the GGUF pinned by `sha256`, made on first use: a folder under its
+    digest was published whole (see staged_folder), from a file checked against it."""
+    folder = conversion_folder(cache_root, sha256)
+    if (folder / WEIGHTS_FILE).is_file():
+        return folder
+    logger.info("converting %s into %s (once)", gguf_path, folder)
+    return convert_gguf(gguf_path, sha256, folder)
 
 
 def convert_gguf(
