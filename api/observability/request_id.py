@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import random
 import re
-import uuid
 
 HEADER = "X-Request-ID"
 MAX_LENGTH = 128
@@ -13,8 +13,9 @@ _SANE = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_LENGTH}}}")
 
 
 def new_request_id() -> str:
-    """A random id: 32 hex digits."""
-    return uuid.uuid4().hex
+    """A random id: 32 hex digits. Unique is all it must be, not unguessable: Python's
+    generator makes one in a tenth of the time `uuid4` takes (a system call each)."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def request_id_from(sent: bytes | None) -> str:
