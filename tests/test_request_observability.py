@@ -258,6 +258,24 @@ def test_an_unsampled_traceparent_exports_nothing(traced: Traced) -> None:
     assert spans_of(unsampled, spans) == {}
 
 
+def test_probes_and_scrapes_keep_their_id_but_start_no_trace(traced: Traced) -> None:
+    probe_trace, request_trace = uuid.uuid4().hex, uuid.uuid4().hex
+    for path in ("/ready", "/health", "/metrics", "/v2/health/ready"):
+        probe = httpx.get(
+            f"{traced.server.url}{path}",
+            headers={"traceparent": f"00-{probe_trace}-{uuid.uuid4().hex[:16]}-01"},
+        )
+        assert probe.status_code == 200 and HEX32.fullmatch(probe.headers["X-Request-ID"])
+    response = httpx.post(
+        f"{traced.server.url}/predict",
+        json={"inputs": f"after the probes {request_trace}"},
+        headers={"traceparent": f"00-{request_trace}-{uuid.uuid4().hex[:16]}-01"},
+    )
+    assert response.status_code == 200
+    spans = traced.receiver.wait_for(lambda got: "batch" in spans_of(request_trace, got))
+    assert spans_of(probe_trace, spans) == {}
+
+
 SHAPES = ("predict", "list", "not_a_string", "too_long", "lone_surrogate", "oip", "oip_int")
 
 

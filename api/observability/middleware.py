@@ -15,6 +15,11 @@ from api.observability.record import CURRENT, RequestRecord
 from api.observability.request_id import HEADER, request_id_from
 
 _HEADER_KEY = HEADER.lower().encode("latin-1")
+# Probes and scrapes, every few seconds from every kubelet and Prometheus: a trace each would
+# bury the requests worth reading. They keep their id and access line.
+UNTRACED = frozenset(
+    {"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready", "/v2/models/ready"}
+)
 
 
 class RequestObserver:
@@ -44,7 +49,7 @@ class RequestObserver:
 
         record_token = CURRENT.set(record)
         started = time.perf_counter()
-        if tracing.tracer is None:
+        if tracing.tracer is None or record.route in UNTRACED:
             try:
                 await self.app(scope, receive, send_with_id)
             finally:
