@@ -243,37 +243,42 @@ def test_a_traceparent_is_continued_through_every_stage_and_exported(traced: Tra
     assert "trace_id=" not in classic.text
 
 
+def traceparent(trace_id: str, sampled: bool = True) -> str:
+    """A W3C traceparent in trace `trace_id`, from a new client span."""
+    return f"00-{trace_id}-{uuid.uuid4().hex[:16]}-{'01' if sampled else '00'}"
+
+
+def spans_after_a_traced_request(traced: Traced) -> list[ReceivedSpan]:
+    """Every span received once those of a sampled request sent now are in: spans go out in
+    the order they end, so those of any request before it are in too."""
+    trace_id = uuid.uuid4().hex
+    assert httpx.post(
+        f"{traced.server.url}/predict",
+        json={"inputs": f"a traced request {trace_id}"},
+        headers={"traceparent": traceparent(trace_id)},
+    ).is_success
+    return traced.receiver.wait_for(lambda got: "batch" in spans_of(trace_id, got))
+
+
 def test_an_unsampled_traceparent_exports_nothing(traced: Traced) -> None:
-    unsampled, sampled = uuid.uuid4().hex, uuid.uuid4().hex
-    for trace_id, flags in ((unsampled, "00"), (sampled, "01")):
-        response = httpx.post(
-            f"{traced.server.url}/predict",
-            json={"inputs": f"sampling {trace_id}"},
-            headers={"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-{flags}"},
-        )
-        assert response.status_code == 200
-    # Spans go out in the order they end: once the sampled request's are in, so would be the
-    # unsampled one's.
-    spans = traced.receiver.wait_for(lambda got: "batch" in spans_of(sampled, got))
-    assert spans_of(unsampled, spans) == {}
+    unsampled = uuid.uuid4().hex
+    assert httpx.post(
+        f"{traced.server.url}/predict",
+        json={"inputs": f"sampling {unsampled}"},
+        headers={"traceparent": traceparent(unsampled, sampled=False)},
+    ).is_success
+    assert spans_of(unsampled, spans_after_a_traced_request(traced)) == {}
 
 
 def test_probes_and_scrapes_keep_their_id_but_start_no_trace(traced: Traced) -> None:
-    probe_trace, request_trace = uuid.uuid4().hex, uuid.uuid4().hex
+    probe_trace = uuid.uuid4().hex
     for path in ("/ready", "/health", "/metrics", "/v2/health/ready"):
         probe = httpx.get(
             f"{traced.server.url}{path}",
-            headers={"traceparent": f"00-{probe_trace}-{uuid.uuid4().hex[:16]}-01"},
+            headers={"traceparent": traceparent(probe_trace)},
         )
         assert probe.status_code == 200 and HEX32.fullmatch(probe.headers["X-Request-ID"])
-    response = httpx.post(
-        f"{traced.server.url}/predict",
-        json={"inputs": f"after the probes {request_trace}"},
-        headers={"traceparent": f"00-{request_trace}-{uuid.uuid4().hex[:16]}-01"},
-    )
-    assert response.status_code == 200
-    spans = traced.receiver.wait_for(lambda got: "batch" in spans_of(request_trace, got))
-    assert spans_of(probe_trace, spans) == {}
+    assert spans_of(probe_trace, spans_after_a_traced_request(traced)) == {}
 
 
 SHAPES = ("predict", "list", "not_a_string", "too_long", "lone_surrogate", "oip", "oip_int")
