@@ -10,12 +10,14 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api.observability import tracing
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
 from tests.server_process import ServerProcess, run_server
 from tests.tiny_models import LABELS, TinyModel, write_models_file
@@ -327,3 +329,45 @@ def test_no_text_of_a_request_appears_in_any_log_line(
     access_line(traced.server, request_id)  # every line this request wrote is in by now
     log = traced.server.log()
     assert marker not in log and marker[1:] not in log
+
+
+def test_a_trace_protocol_it_cannot_export_stops_the_start_naming_it(tmp_path: Path) -> None:
+    env = {
+        "LOG_FORMAT": "json",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    with run_server(env, tmp_path) as server:
+        assert server.process.wait(timeout=120) == 2
+        [said] = [line for line in log_lines(server) if line["level"] == "CRITICAL"]
+        assert "OTEL_EXPORTER_OTLP_PROTOCOL='grpc'" in str(said["message"])
+
+
+def test_invalid_settings_are_told_in_a_json_line_too(tmp_path: Path) -> None:
+    with run_server({"LOG_FORMAT": "json", "MAX_TEXTS_PER_REQUEST": "many"}, tmp_path) as server:
+        assert server.process.wait(timeout=60) == 2
+        [said] = log_lines(server)
+        assert said["level"] == "CRITICAL" and "MAX_TEXTS_PER_REQUEST" in str(said["message"])
+
+
+@pytest.mark.parametrize(
+    ("environ", "on"),
+    [
+        ({}, False),
+        ({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_SAMPLER": "always_on"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_SDK_DISABLED": "true"}, False),
+    ],
+)
+def test_tracing_is_on_only_where_an_exporter_is_configured(
+    environ: dict[str, str], on: bool
+) -> None:
+    assert tracing.wanted(environ) is on
+
+
+def test_an_exporter_it_does_not_have_is_refused() -> None:
+    with pytest.raises(tracing.TracingConfigError, match="zipkin"):
+        tracing.wanted({"OTEL_TRACES_EXPORTER": "zipkin"})
