@@ -94,7 +94,7 @@ def create_app(
     app.state.service = state
     install_error_handlers(app)
     app.include_router(router)
-    # Added later = runs first: metrics see every answer, 401s and 413s included.
+    # Added last = runs first: metrics see every answer, 401s and 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key is not None or settings.admin_api_key is not None:
         api_key, admin_key = (
