@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from api.http.app import DeviceFailed, create_app
-from api.http.state import Phase, ServiceState
-from api.models.spec import ModelsFileError, load_models_file
-from api.models.tokenizing import keep_tokenizers_serial
-from api.serving.cascade import CascadeError
+from api.observability import tracing
+from api.observability.logs import configure_logging
+from api.observability.tracing import TracingConfigError
 from api.settings import Settings, SettingsError, load_settings
+
+# The service's own modules bring torch, transformers, peft and bitsandbytes, which log as
+# they are imported: imported in the functions, once the process's logging is set up, so
+# those lines come out in LOG_FORMAT too.
+if TYPE_CHECKING:
+    from api.http.state import ServiceState
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +51,8 @@ class Server(uvicorn.Server):
                 self.force_exit = True  # a second Ctrl-C stops without waiting
             self.should_exit = True
             return
+        from api.http.state import Phase
+
         service = self.service
         if service is None or service.phase is not Phase.READY:
             self.should_exit = True
@@ -58,6 +66,8 @@ class Server(uvicorn.Server):
         """Stops with `error` as the reason. After a fatal device error (/ready already 503)
         the requests in flight still get their answers, within the drain time, as on
         SIGTERM; a failed load stops at once. Called on the event loop."""
+        from api.http.app import DeviceFailed
+
         self.fatal_error = error
         if isinstance(error, DeviceFailed) and self.service is not None and self._drain is None:
             self._start_drain(asyncio.get_running_loop())
@@ -87,15 +97,22 @@ class Server(uvicorn.Server):
 
 
 def quiet_libraries() -> None:
-    """transformers' load reports and progress bars say nothing the service does not log."""
+    """transformers' load reports and progress bars say nothing the service does not log;
+    its errors go through the service's own handler (its own would write plain text)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
-def build_server(settings: Settings) -> Server:
-    """The configured server with its app; the models load once it runs."""
+def build_server(settings: Settings, log_config: dict[str, Any] | None = None) -> Server:
+    """The configured server with its app; the models load once it runs. `log_config` is
+    the process's logging (api.observability.logs), which uvicorn applies again."""
+    from api.http.app import create_app
+    from api.models.spec import load_models_file
+
     specs = load_models_file(settings.models_file, settings.adapter_dirs)
     server: Server
 
@@ -108,6 +125,7 @@ def build_server(settings: Settings) -> Server:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=log_config,
         lifespan="on",
         access_log=False,
         timeout_graceful_shutdown=max(1, round(settings.drain_seconds)),
@@ -123,24 +141,34 @@ def main() -> int:
     try:
         settings = load_settings()
     except SettingsError as exc:
-        print(f"loraserve: {exc}", file=sys.stderr)
+        # The settings did not load: LOG_FORMAT is taken as it is in the environment.
+        wanted = os.environ.get("LOG_FORMAT", "").strip().lower()
+        configure_logging("info", "json" if wanted == "json" else "text")
+        logger.critical("loraserve: %s", exc)
         return EXIT_BAD_SETTINGS
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_config = configure_logging(settings.log_level, settings.log_format)
+    from api.http.app import DeviceFailed
+    from api.models.spec import ModelsFileError
+    from api.models.tokenizing import keep_tokenizers_serial
+    from api.serving.cascade import CascadeError
+
     quiet_libraries()
     keep_tokenizers_serial()
     try:
-        server = build_server(settings)
-    except (ModelsFileError, CascadeError) as exc:
-        print(f"loraserve: {exc}", file=sys.stderr)
+        tracing.configure()
+        server = build_server(settings, log_config)
+    except (ModelsFileError, CascadeError, TracingConfigError) as exc:
+        logger.critical("loraserve: %s", exc)
         return EXIT_BAD_SETTINGS
-    server.run()
+    try:
+        server.run()
+    finally:
+        tracing.shutdown()  # the spans still buffered go out before the process ends
     if isinstance(server.fatal_error, DeviceFailed):
-        print(f"loraserve: stopped by a fatal device error: {server.fatal_error}", file=sys.stderr)
+        logger.critical("loraserve: stopped by a fatal device error: %s", server.fatal_error)
         return EXIT_DEVICE_FAILED
     if server.fatal_error is not None:
-        print(f"loraserve: start-up failed: {server.fatal_error}", file=sys.stderr)
+        logger.critical("loraserve: start-up failed: %s", server.fatal_error)
         return EXIT_LOAD_FAILED
     return 0
 

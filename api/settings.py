@@ -128,6 +128,11 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level of the service and uvicorn."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="text: lines for a person; json: one JSON object per line (time, level, "
+        "logger, message, and a request's id and fields), every logger and warning included.",
+    )
     api_key: SecretStr | None = Field(
         None, description="When set, every route but health/ready/metrics needs this bearer key."
     )

@@ -36,7 +36,8 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
     """Each test starts from no settings: no .env from the checkout, no seed variables."""
     monkeypatch.chdir(tmp_path)
     for key in list(os.environ):
-        if key.endswith("_ADAPTER_DIR") or key in SETTING_NAMES:
+        # OTEL_*: a developer's tracing setup would send the test servers' spans to it.
+        if key.endswith("_ADAPTER_DIR") or key in SETTING_NAMES or key.startswith("OTEL_"):
             monkeypatch.delenv(key)
     yield
 

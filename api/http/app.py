@@ -23,6 +23,7 @@ from api.models.faults import is_fatal_device_error
 from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
 from api.models.spec import ModelSpec, load_models_file
+from api.observability.middleware import RequestObserver
 from api.serving.adapter_folder import AdapterFolder
 from api.serving.adapters import AdapterSet
 from api.serving.admission import Admission
@@ -102,6 +103,8 @@ def create_app(
         )
         app.add_middleware(ApiKeyGuard, api_key=api_key, admin_key=admin_key)
     app.add_middleware(RequestMetrics, state=state)
+    # Outermost: every answer carries the request's id, and its access line and span see it.
+    app.add_middleware(RequestObserver)
     return app
 
 

@@ -25,6 +25,7 @@ from api.http.errors import (
 from api.http.state import RETRY_AFTER_LOADING_SECONDS, ServiceState
 from api.models.predictor import NonFiniteScores, UnservableText
 from api.models.registry import UnknownName
+from api.observability import record
 from api.serving.admission import NotAdmitted
 from api.serving.batching import BatchFailed, QueueFull
 from api.serving.batching import DeadlineExceeded as BatchDeadline
@@ -112,11 +113,13 @@ async def classify(
         labels = cascade.first.served.loaded.labels
         work = cascade.classify(texts, truncate, cache, deadline)
         adapters = {r.served.name: r.served.adapter_for(None) for r in cascade.runners}
+        record.note_call(CASCADE_NAME, None, len(texts))
     else:
         runner, adapter = pick_runner(state, model, adapter)
         labels = runner.served.loaded.labels
         work = single(runner, texts, adapter, truncate, cache, deadline)
         adapters = {runner.served.name: adapter}
+        record.note_call(runner.served.name, adapter, len(texts))
     try:
         result, answered_by = await answer(request, work)
     except Overloaded:
@@ -126,6 +129,7 @@ async def classify(
         chosen = adapters[name] or "none"
         state.metrics.predictions.labels(name, chosen).inc(answered_by.count(name))
     tiers = DEFAULT_TIER_NAMES if state.cache is None else state.cache.tier_names
+    record.note_cache(result.tiers, tiers)
     return Done(result, answered_by, labels, adapter, model == CASCADE_NAME, tiers)
 
 

@@ -7,10 +7,14 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from opentelemetry.trace import SpanContext
+
 from api.models import faults
+from api.observability import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +98,13 @@ class _Row(Generic[Result]):
 
 @dataclass(eq=False)
 class _Request:
-    """One submitted request: how many of its rows are not answered yet."""
+    """One submitted request: how many of its rows are not answered yet; with tracing on,
+    its sampled span and when it was submitted, for its batches' spans."""
 
     rows: int
     unanswered: int
+    trace: SpanContext | None = None
+    submitted: float = 0.0
 
 
 @dataclass
@@ -221,7 +228,7 @@ class Batcher(Generic[Result]):
                 row.deadline = max(row.deadline, now + timeout)
             row.waiters += 1
             mine.append(row)
-        request = _Request(len(mine), len(mine))
+        request = _Request(len(mine), len(mine), tracing.current_span_context(), now)
         for row in mine:
             row.requests.append(request)
         self._requests += 1
@@ -347,7 +354,8 @@ class Batcher(Generic[Result]):
     async def _run(self, batch: _Batch[Result]) -> None:
         try:
             started = time.monotonic()
-            await self._run_rows(batch.rows)
+            with _batch_span(batch):
+                await self._run_rows(batch.rows)
             if self._on_batch is not None:
                 self._on_batch(
                     BatchStats(
@@ -382,7 +390,10 @@ class Batcher(Generic[Result]):
         ids = [row.ids for row in rows]
         adapters = [row.adapter for row in rows]
         try:
-            results = await loop.run_in_executor(self._executor, self._predict, ids, adapters)
+            with tracing.span("forward") as forward:
+                if forward is not None:
+                    forward.set_attribute("batch.size", len(rows))
+                results = await loop.run_in_executor(self._executor, self._predict, ids, adapters)
             if len(results) != len(rows):
                 raise BatchFailed(f"predictor returned {len(results)} results for {len(rows)}")
         except Exception as exc:
@@ -431,6 +442,19 @@ def cheapest_group_of(
     while cut[end] > index:
         end = cut[end]
     return cut[end], end
+
+
+def _batch_span(batch: _Batch[Any]) -> AbstractContextManager[None]:
+    """The batch's span, linked from the sampled requests it serves (tracing on)."""
+    if tracing.tracer is None:
+        return tracing.NO_SPAN
+    served = {id(r): r for row in batch.rows for r in row.requests if r.trace is not None}
+    return tracing.batch(
+        [(r.trace, r.submitted) for r in served.values() if r.trace is not None],
+        len(batch.rows),
+        batch.tokens(),
+        [row.adapter for row in batch.rows],
+    )
 
 
 def _deliver(rows: list[_Row[Result]], results: Sequence[Result | BaseException]) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from api.metrics import Metrics
 from api.models.spec import ModelSpec
+from api.observability import tracing
 from api.serving.cache import ResultCache
 from api.serving.classify import Classified, ModelRunner
 from api.settings import Settings
@@ -56,9 +57,12 @@ class Cascade:
             if max(scores.probabilities) < self.threshold
         ]
         if unsure:
-            again = await self.second.classify(
-                [texts[i] for i in unsure], None, truncate, cache, deadline
-            )
+            with tracing.span("cascade second stage") as stage:
+                if stage is not None:
+                    stage.set_attribute("loraserve.texts", len(unsure))
+                again = await self.second.classify(
+                    [texts[i] for i in unsure], None, truncate, cache, deadline
+                )
             for index, scores, tier in zip(unsure, again.scores, again.tiers, strict=True):
                 result.scores[index] = scores
                 result.tiers[index] = tier

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from api.models.predictor import Scores
 from api.models.registry import ServedModel
+from api.observability import tracing
 from api.serving.adapters import AdapterSet, Lease
 from api.serving.admission import Admission
 from api.serving.batching import Batcher, DeadlineExceeded
@@ -104,12 +105,16 @@ class ModelRunner:
         # long inputs go to a thread so the event loop keeps serving. Either way this runs
         # while the current batch computes (torch releases the GIL).
         encode = self.served.predictor.encode
-        if sum(map(len, texts)) <= INLINE_TOKENIZE_MAX_CHARS:
-            rows = encode(texts, truncate)
-        else:
-            rows = await asyncio.to_thread(encode, texts, truncate)
+        with tracing.span("tokenize"):
+            if sum(map(len, texts)) <= INLINE_TOKENIZE_MAX_CHARS:
+                rows = encode(texts, truncate)
+            else:
+                rows = await asyncio.to_thread(encode, texts, truncate)
         left = seconds_left(deadline)
         batcher = self.batcher
         tokens = sum(map(len, rows))
-        self.admission.check(batcher.queued_rows, batcher.queued_tokens, len(rows), tokens, left)
+        with tracing.span("admission"):
+            self.admission.check(
+                batcher.queued_rows, batcher.queued_tokens, len(rows), tokens, left
+            )
         return await batcher.submit(rows, [adapter] * len(rows), left)

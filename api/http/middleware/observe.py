@@ -9,6 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http.state import Phase, ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
+from api.observability.record import CURRENT
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
 ROUTES = frozenset(
@@ -102,7 +103,12 @@ class RequestMetrics:
             if holds_drain:
                 self.state.in_flight -= 1
             duration, count = self.series(route, status)
-            duration.observe(elapsed)
+            # A sampled trace's id as the exemplar: a slow bucket leads to a slow request.
+            request = CURRENT.get()
+            if request is not None and request.trace_id is not None:
+                duration.observe(elapsed, {"trace_id": request.trace_id})
+            else:
+                duration.observe(elapsed)
             count.inc()
             if elapsed > self.target_seconds:
                 self.metrics.requests_over_target.labels(route).inc()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from api import __version__
 from api.http.routes.common import State
@@ -147,8 +149,11 @@ def cascade_info(state: ServiceState) -> CascadeInfo | None:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(state: State) -> Response:
-    """Prometheus exposition of every metric the service keeps."""
+async def metrics(state: State, accept: Annotated[str, Header()] = "") -> Response:
+    """Prometheus exposition of every metric the service keeps: OpenMetrics (with the
+    latency histogram's exemplars, the trace ids) when the scraper asks for it, as
+    Prometheus does; otherwise the classic text format."""
     if state.cache is not None:
         state.cache.refresh_gauges()
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    encode, content_type = choose_encoder(accept)
+    return Response(encode(state.metrics.registry), headers={"Content-Type": content_type})

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from api.metrics import Metrics
+from api.observability import tracing
 from api.serving.cache.breaker import Breaker
 from api.serving.cache.disk import DiskTier
 from api.serving.cache.entry import Entry, is_finite
@@ -84,7 +85,13 @@ class ResultCache:
         for depth, tier in enumerate(self.tiers):
             if not missing:
                 break
-            found = await tier.get_many([keys[i] for i in missing])
+            with tracing.span("cache lookup") as lookup:
+                found = await tier.get_many([keys[i] for i in missing])
+                if lookup is not None:
+                    found_count = sum(entry is not None for entry in found)
+                    lookup.set_attribute("cache.tier", tier.name)
+                    lookup.set_attribute("cache.keys", len(missing))
+                    lookup.set_attribute("cache.hits", found_count)
             hits = [
                 (i, entry) for i, entry in zip(missing, found, strict=True) if entry is not None
             ]

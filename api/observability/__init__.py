@@ -1,0 +1,1 @@
+"""Following one request: its id, the log lines it writes, and its trace."""
