@@ -43,6 +43,7 @@ def replicas(
             env = {
                 "MODELS_FILE": str(models),
                 "REDIS_URL": redis.url,
+                "REDIS_CACHE_SECRET": "a secret the replicas share",
                 "DISK_CACHE_DIR": str(folder / f"disk-{index}"),
             }
             started.append(stack.enter_context(run_server(env, folder)))
