@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import os
 import random
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -181,8 +182,13 @@ class Canary:
         return open, (str(self.path), "w")
 
 
-def test_a_pickled_disk_row_is_never_unpickled(tiny_bert: TinyModel, tmp_path: Path) -> None:
+def test_a_pickled_disk_row_is_never_unpickled_nor_its_file_deleted(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
     folder, canary = tmp_path / "disk", tmp_path / "unpickled"
+    victim = tmp_path / "elsewhere" / "a file the server may delete"
+    victim.parent.mkdir()
+    victim.write_text("still here", encoding="utf-8")
     env = {
         "MODELS_FILE": str(tiny_models_file(tmp_path, tiny_bert, adapters=("spam",))),
         "DISK_CACHE_DIR": str(folder),
@@ -203,11 +209,15 @@ def test_a_pickled_disk_row_is_never_unpickled(tiny_bert: TinyModel, tmp_path: P
             with diskcache.Cache(str(folder), disk_min_file_size=min_file_size) as planted:
                 [key] = list(planted)
                 planted.set(key, Canary(canary))
+            if min_file_size == 0:  # the row names its file: make it one outside the folder
+                with sqlite3.connect(folder / "cache.db") as database:
+                    database.execute("UPDATE Cache SET filename = ?", (str(victim),))
             answers.append(predict(server.url, TEXTS[0]))
             wait_for(disk_answers, 10, "the row overwritten with the answer")
         rejected = metric(server.url, "loraserve_cache_rejected_total", tier="disk")
         reference = predict(server.url, TEXTS[0], cache=False).json()
     assert not canary.exists(), "the server unpickled a row of its disk cache"
+    assert victim.read_text(encoding="utf-8") == "still here"  # not deleted on overwrite
     assert [a.status_code for a in answers] == [200, 200]
     assert [a.headers["X-Cache"] for a in answers] == ["lru=0,disk=0,model=1"] * 2
     assert [a.json() for a in answers] == [computed.json()] * 2 == [reference] * 2

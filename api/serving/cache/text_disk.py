@@ -6,6 +6,8 @@ Whoever can write the cache folder (which replicas may share) could plant such a
 code in the server when it is read. This one writes only str keys and str values inline
 (MODE_RAW, whatever the folder's disk_min_file_size says) and refuses to read any row it could
 not have written: a pickle, a value in a file (whose path the row names), a non-text value.
+Nor does it delete the file a row names when diskcache replaces or evicts that row: this
+service never writes one, and the name, planted, could be any path the server may delete.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class TextOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache has no ty
         if read or type(value) is not str:
             raise TypeError(f"cache values are str, not {type(value).__name__}")
         return 0, MODE_RAW, None, value
+
+    def remove(self, file_path: str) -> None:
+        """Deletes nothing (see the module's docstring)."""
 
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> str:
         if mode != MODE_RAW or type(value) is not str:
