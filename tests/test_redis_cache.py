@@ -288,3 +288,11 @@ def test_redis_settings_are_checked() -> None:
         load_settings(_env_file=None, redis_url="http://127.0.0.1:6379")
     with pytest.raises(SettingsError, match="REDIS_BACKOFF_MAX_SECONDS"):
         load_settings(_env_file=None, redis_backoff_seconds=5, redis_backoff_max_seconds=1)
+    url = "redis://127.0.0.1:6379/0"
+    with pytest.raises(SettingsError, match=r"REDIS_CACHE_SECRET.*REDIS_TRUSTED_NETWORK=true"):
+        load_settings(_env_file=None, redis_url=url)
+    with pytest.raises(SettingsError, match=r"REDIS_CACHE_SECRET: .*at least 16"):
+        load_settings(_env_file=None, redis_url=url, redis_cache_secret="short")
+    assert load_settings(_env_file=None, redis_url=url, redis_cache_secret=SECRET).redis_url
+    assert load_settings(_env_file=None, redis_url=url, redis_trusted_network=True).redis_url
+    assert load_settings(_env_file=None).redis_cache_secret is None  # no Redis, no secret
