@@ -80,7 +80,10 @@ def test_a_poisoned_redis_gives_another_replica_the_right_answers(
     tiny_bert: TinyModel, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     redis = redis_server.client()
-    with replicas(2, tiny_bert, redis_server, tmp_path) as (first, second):
+    # A busy test machine must not time a Redis call out: a lost write or a skipped read
+    # would change what is counted.
+    patient = {"REDIS_TIMEOUT_SECONDS": "5"}
+    with replicas(2, tiny_bert, redis_server, tmp_path, **patient) as (first, second):
         # Each text alone (a batch of one, as every answer below), so equal means equal.
         for text in TEXTS:
             assert predict(first.url, text).status_code == 200
@@ -155,6 +158,7 @@ def test_redis_without_a_secret_is_refused_at_start_unless_the_network_is_truste
     # Declared trusted, it starts. What it reads is still checked: a value of no labels
     # (valid without a MAC) is a miss, computed again and counted.
     trusted = {**env, "REDIS_TRUSTED_NETWORK": "true", "LRU_CACHE_ENTRIES": "0"}
+    trusted["REDIS_TIMEOUT_SECONDS"] = "5"  # a busy machine: no timed-out write or read
     with run_server({**trusted, "DISK_CACHE_MAX_BYTES": "0"}, tmp_path) as server:
         server.wait_ready()
         first = predict(server.url, TEXTS[0])

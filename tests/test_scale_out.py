@@ -34,9 +34,10 @@ TEXT = "win a free prize now"
 
 @contextmanager
 def replicas(
-    count: int, tiny: TinyModel, redis: RedisServer, folder: Path
+    count: int, tiny: TinyModel, redis: RedisServer, folder: Path, **settings: str
 ) -> Iterator[list[ServerProcess]]:
-    """`count` real server processes sharing one Redis, each with its own disk cache."""
+    """`count` real server processes sharing one Redis, each with its own disk cache, and
+    the given `settings` (SETTING_NAME=value) besides."""
     models = tiny_models_file(folder, tiny, adapters=("spam",))
     with ExitStack() as stack:
         started = []
@@ -46,6 +47,7 @@ def replicas(
                 "REDIS_URL": redis.url,
                 "REDIS_CACHE_SECRET": "a secret the replicas share",
                 "DISK_CACHE_DIR": str(folder / f"disk-{index}"),
+                **settings,
             }
             started.append(stack.enter_context(run_server(env, folder)))
         for server in started:
