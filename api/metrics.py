@@ -162,6 +162,15 @@ class Metrics:
         self.cache_errors = Counter(
             f"{p}_cache_errors", "Cache faults served from the model", ["tier", "op"], registry=r
         )
+        self.cache_rejected = Counter(
+            f"{p}_cache_rejected",
+            "Cache values read but not served, computed again and overwritten: format (not a "
+            "value this service writes, a pickle included), mac (not written with "
+            "REDIS_CACHE_SECRET for this key), labels, non_finite, range, softmax (not an "
+            "answer of the model it was read for)",
+            ["tier", "reason"],
+            registry=r,
+        )
         self.cache_entries = Gauge(f"{p}_cache_entries", "Entries held", ["tier"], registry=r)
         self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held on disk", ["tier"], registry=r)
         self.cache_tier_up = Gauge(

@@ -200,8 +200,22 @@ class Settings(BaseSettings):
     # --- shared cache tier (Redis), after the LRU and the disk ---
     redis_url: str | None = Field(
         None,
-        description="Redis that every replica shares as a cache tier (redis://host:6379/0, "
-        "rediss:// for TLS, unix:///path.sock); unset: no shared tier.",
+        description="Redis that every replica shares as a cache tier "
+        "(redis://:PASSWORD@host:6379/0, rediss:// for TLS, unix:///path.sock); unset: no "
+        "shared tier. Needs REDIS_CACHE_SECRET (or REDIS_TRUSTED_NETWORK=true).",
+    )
+    redis_cache_secret: SecretStr | None = Field(
+        None,
+        min_length=16,
+        description="Key every replica shares (16+ characters; e.g. `openssl rand -hex 32`): "
+        "each Redis value carries an HMAC over its key and itself, and a value without a "
+        "valid one is a miss. Required with REDIS_URL unless REDIS_TRUSTED_NETWORK=true.",
+    )
+    redis_trusted_network: bool = Field(
+        False,
+        description="Use REDIS_URL without REDIS_CACHE_SECRET: whoever can write to that Redis "
+        "chooses the answers of every replica within a model's label count and softmax (a "
+        "value copied from another text's key is served as this text's answer).",
     )
     redis_key_prefix: str = Field(
         "loraserve:", description="Prefix of every key the service writes in Redis."
@@ -315,6 +329,21 @@ class Settings(BaseSettings):
         if value is not None and not value.startswith(REDIS_URL_SCHEMES):
             raise ValueError(f"must start with one of {', '.join(REDIS_URL_SCHEMES)}")
         return value
+
+    @model_validator(mode="after")
+    def _redis_values_authenticated(self) -> Settings:
+        if (
+            self.redis_url is not None
+            and self.redis_cache_secret is None
+            and not self.redis_trusted_network
+        ):
+            raise ValueError(
+                "REDIS_URL is set without REDIS_CACHE_SECRET: whoever can write to that Redis "
+                "would choose every replica's answers. Set REDIS_CACHE_SECRET to a secret the "
+                "replicas share (e.g. `openssl rand -hex 32`), or REDIS_TRUSTED_NETWORK=true "
+                "if only the replicas can reach that Redis"
+            )
+        return self
 
     @model_validator(mode="after")
     def _redis_backoff_bounds(self) -> Settings:

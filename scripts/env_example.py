@@ -36,6 +36,9 @@ LB_PORT=8080
 LB_STATS_PORT=8404
 # Redis's memory bound; past it, the least recently used answers are evicted.
 REDIS_MAXMEMORY=256mb
+# Redis's password, required (e.g. `openssl rand -hex 32`; hex needs no escaping in the
+# replicas' REDIS_URL). The replicas also need REDIS_CACHE_SECRET (above), another such key.
+# REDIS_PASSWORD=
 """
 OUTPUT = Path(__file__).resolve().parents[1] / ".env.example"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 import time
@@ -16,6 +17,7 @@ from api.metrics import Metrics
 from api.models.spec import AdapterSpec
 from api.serving.cache.disk import DiskTier
 from api.serving.cache.lru import LruTier
+from api.serving.cache.verify import AnswerShape
 from tests.conftest import serving as serve
 from tests.conftest import spec_for
 from tests.tiny_models import TinyModel
@@ -107,7 +109,8 @@ def test_corrupt_disk_entry_is_served_from_the_model_and_counted(
         metrics = client.get("/metrics").text
     assert response.status_code == 200 and response.json() == good
     assert response.headers["X-Cache"] == "lru=0,disk=0,model=1"
-    assert 'loraserve_cache_errors_total{op="read",tier="disk"} 1.0' in metrics
+    assert 'loraserve_cache_rejected_total{reason="format",tier="disk"} 1.0' in metrics
+    assert "loraserve_cache_errors_total{" not in metrics  # a bad value is no fault
 
 
 def test_unwritable_disk_cache_degrades_to_the_model(tiny_bert: TinyModel, tmp_path: Path) -> None:
@@ -136,7 +139,8 @@ async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
     # least-recently-used policy every read, a miss included, wrote an access time and
     # waited for that lock: held here for 3 s, a read took 3 s.
     tier = DiskTier(tmp_path / "disk", 2**24, None, Metrics(latency_target_seconds=2.0))
-    tier.put("stored", ((0.25, 0.75), (0.0, 1.0)))
+    stored = ((0.25, 0.75), (0.0, math.log(3)))  # softmax(0, ln 3) = (1/4, 3/4)
+    tier.put("stored", stored)
     holding, release = threading.Event(), threading.Event()
 
     def writer() -> None:
@@ -152,11 +156,11 @@ async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
     try:
         assert holding.wait(10)
         started = time.monotonic()
-        found = await tier.get_many(["stored", "missing"])
+        found = await tier.get_many(["stored", "missing"], AnswerShape(labels=2))
         took = time.monotonic() - started
     finally:
         release.set()
         thread.join()
         await tier.close()
-    assert found == [((0.25, 0.75), (0.0, 1.0)), None]
+    assert found == [stored, None]
     assert took < 1.5, f"a read waited {took:.2f} s for the writer's lock"

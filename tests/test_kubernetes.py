@@ -68,12 +68,46 @@ def quantity(value: str | int) -> float:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
+# What the operator puts in the Secret loraserve-redis (kustomization.yaml says how).
+SECRET_VALUES = {
+    ("loraserve-redis", "password"): "0f" * 16,
+    ("loraserve-redis", "cache-secret"): "1e" * 16,
+}
+
+
+def container_environment(manifests: list[Manifest], container: Manifest) -> dict[str, str]:
+    """The variables a container gets, as the kubelet makes them: its ConfigMap's, then its
+    `env` in order, each `$(NAME)` replaced by a variable defined before it, each secretKeyRef
+    read from SECRET_VALUES."""
+    environment: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        environment.update(one(manifests, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for variable in container.get("env", []):
+        if "valueFrom" in variable:
+            ref = variable["valueFrom"]["secretKeyRef"]
+            environment[variable["name"]] = SECRET_VALUES[ref["name"], ref["key"]]
+        else:
+            environment[variable["name"]] = expand(variable["value"], environment)
+    return environment
+
+
+def expand(value: str, environment: dict[str, str]) -> str:
+    """`value` with each `$(NAME)` of a defined variable replaced, as the kubelet does in
+    `env` values, `command` and `args`."""
+    for name, defined in environment.items():
+        value = value.replace(f"$({name})", defined)
+    return value
+
+
 def served_settings(manifests: list[Manifest], container: Manifest) -> Settings:
-    """The settings the pods get: the ConfigMap they read, parsed by the service's own class."""
+    """The settings the pods get: their ConfigMap and variables, parsed by the service's own
+    class (names that are not settings, such as REDIS_PASSWORD, only build others)."""
     [source] = container["envFrom"]
     data = one(manifests, "ConfigMap", source["configMapRef"]["name"])["data"]
     assert set(data) <= SETTING_NAMES, set(data) - SETTING_NAMES  # no misspelt setting
-    return Settings(_env_file=None, **{name.lower(): value for name, value in data.items()})  # type: ignore[call-arg]
+    environment = container_environment(manifests, container)
+    values = {name.lower(): value for name, value in environment.items() if name in SETTING_NAMES}
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
 
 def test_every_built_object_validates(built: tuple[str, list[Manifest]]) -> None:
@@ -150,8 +184,32 @@ def test_probes_grace_period_ports_and_volumes_match_the_service(
     budget = one(manifests, "PodDisruptionBudget", "loraserve")
     assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
     redis = one(manifests, "Service", "loraserve-redis")
-    assert settings.redis_url == f"redis://{redis['metadata']['name']}:6379/0"
+    password = SECRET_VALUES["loraserve-redis", "password"]
+    assert settings.redis_url == f"redis://:{password}@{redis['metadata']['name']}:6379/0"
     assert redis["spec"]["ports"][0]["port"] == 6379
+    assert settings.redis_cache_secret is not None
+    assert (
+        settings.redis_cache_secret.get_secret_value()
+        == SECRET_VALUES["loraserve-redis", "cache-secret"]
+    )
+    assert not settings.redis_trusted_network
+
+
+def test_redis_requires_the_password_the_replicas_connect_with(
+    built: tuple[str, list[Manifest]],
+) -> None:
+    _, manifests = built
+    [server] = one(manifests, "Deployment", "loraserve-redis")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    environment = container_environment(manifests, server)
+    password = SECRET_VALUES["loraserve-redis", "password"]
+    written = server["args"][server["args"].index("--requirepass") + 1]
+    assert written.startswith("$(")  # a reference to the Secret, no password in the manifest
+    assert expand(written, environment) == password
+    # The probe's redis-cli authenticates with REDISCLI_AUTH: the same password.
+    assert environment["REDISCLI_AUTH"] == password
+    assert server["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
 
 
 def exported_sample_names() -> set[str]:

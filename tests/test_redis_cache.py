@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import math
 import struct
 import threading
@@ -22,6 +23,7 @@ from api.metrics import Metrics
 from api.serving.cache import ResultCache
 from api.serving.cache.breaker import Breaker
 from api.serving.cache.redis import FORMAT_VERSION, RedisTier, decode, encode
+from api.serving.cache.verify import AnswerShape, Rejected
 from api.settings import SettingsError, load_settings
 from tests.conftest import serving, spec_for, wait_for
 from tests.load_client import exposition_sum, metric, run_load, sms_texts
@@ -32,11 +34,13 @@ from tests.tiny_models import TinyModel, tiny_models_file
 TEXT = "win a free prize now"
 PREFIX = "test:"
 TTL_SECONDS = 3600.0
+SECRET = "a secret the replicas share"
 
 
 def redis_settings(server: RedisServer, **more: object) -> dict[str, object]:
     return {
         "redis_url": server.url,
+        "redis_cache_secret": SECRET,
         "redis_key_prefix": PREFIX,
         "redis_ttl_seconds": TTL_SECONDS,
         **more,
@@ -58,20 +62,35 @@ def spam_identity(client: TestClient) -> str:
 # --- the value and the breaker, alone ---
 
 
-def test_values_are_small_exact_and_versioned() -> None:
+def test_values_are_small_exact_versioned_and_signed() -> None:
     entry = ((0.25, 0.75), (-1.0986122886681098, 0.1))
-    raw = encode(entry)
-    # The layout, read with struct on its own: version, label count, then the float64s.
-    assert len(raw) == 35
-    assert struct.unpack("<BH4d", raw) == (1, 2, 0.25, 0.75, -1.0986122886681098, 0.1)
-    assert decode(raw) == entry  # the very floats, not rounded
-    for bad in (b"", raw[:-1], b"\x02" + raw[1:], raw.decode("latin-1")):
-        with pytest.raises(ValueError):
-            decode(bad)
+    key, secret = "test:v2:k", SECRET.encode()
+    raw = encode(entry, key, secret)
+    # The layout, read with struct and hmac on their own: version, label count, the
+    # float64s, then HMAC-SHA256 over the key's length, the key and all of that.
+    assert len(raw) == 67
+    assert struct.unpack("<BH4d", raw[:35]) == (2, 2, 0.25, 0.75, -1.0986122886681098, 0.1)
+    signed = struct.pack("<I", len(key)) + key.encode() + raw[:35]
+    assert raw[35:] == hmac.new(secret, signed, hashlib.sha256).digest()
+    assert decode(raw, key, secret) == entry  # the very floats, not rounded
+    assert encode(entry, key, None) == raw[:35]  # REDIS_TRUSTED_NETWORK: no MAC
+    assert decode(raw[:35], key, None) == entry
+    bad_format = (b"", raw[:-1], b"\x01" + raw[1:], raw.decode("latin-1"), raw[:35], raw + b"0")
+    for bad in bad_format:
+        with pytest.raises(Rejected) as caught:
+            decode(bad, key, secret)
+        assert caught.value.reason == "format"
+    flipped = raw[:3] + bytes([raw[3] ^ 1]) + raw[4:]
+    for bad, under, with_secret in (
+        (raw, "test:v2:other", secret),  # copied to another key
+        (raw, key, b"another secret"),
+        (flipped, key, secret),  # a float changed
+    ):
+        with pytest.raises(Rejected) as caught:
+            decode(bad, under, with_secret)
+        assert caught.value.reason == "mac"
     with pytest.raises(ValueError):
-        decode(struct.pack("<BH4d", 1, 2, 0.5, math.nan, 0.0, 0.0))
-    with pytest.raises(ValueError):
-        encode(((0.5, math.inf), (0.0, 0.0)))
+        encode(((0.5, math.inf), (0.0, 0.0)), key, secret)
 
 
 def test_breaker_skips_then_lets_one_probe_through_with_doubling_waits() -> None:
@@ -132,13 +151,13 @@ def test_an_answer_one_instance_computed_is_a_redis_hit_on_another(
     # The same key as the disk tier, under the prefix; a small value that expires.
     with diskcache.Cache(str(tmp_path / "disk-a")) as disk:
         assert [PREFIX + f"v{FORMAT_VERSION}:" + k for k in disk] == [key]
-    assert len(redis.get(key) or b"") == 35
+    assert len(redis.get(key) or b"") == 67
     assert 0 < redis.pttl(key) <= TTL_SECONDS * 1000
 
 
 async def test_non_finite_answers_never_reach_redis(redis_server: RedisServer) -> None:
     metrics = Metrics(latency_target_seconds=2.0)
-    tier = RedisTier(redis_server.url, PREFIX, None, 1.0, Breaker(1.0, 1.0), metrics)
+    tier = RedisTier(redis_server.url, PREFIX, None, 1.0, Breaker(1.0, 1.0), metrics, None)
     cache = ResultCache([tier], shared=[tier.name])
     cache.store(
         ["good", "nan", "inf"], [((1.0,), (0.0,)), ((math.nan,), (0.0,)), ((1.0,), (math.inf,))]
@@ -153,11 +172,12 @@ async def test_a_probe_cancelled_with_its_request_leaves_the_tier_to_probe_again
     """A client that goes away cancels its request, and with it the probe it carried: the
     tier must not wait for that probe's answer for ever."""
     metrics = Metrics(latency_target_seconds=2.0)
-    tier = RedisTier(redis_server.url, PREFIX, None, 0.5, Breaker(0.01, 0.01), metrics)
+    tier = RedisTier(redis_server.url, PREFIX, None, 0.5, Breaker(0.01, 0.01), metrics, None)
+    shape = AnswerShape(labels=2)
     redis_server.freeze()
-    assert await tier.get_many(["a"]) == [None]  # times out: the breaker opens
+    assert await tier.get_many(["a"], shape) == [None]  # times out: the breaker opens
     await asyncio.sleep(0.05)  # past its wait: the next call is the probe
-    probe = asyncio.ensure_future(tier.get_many(["a"]))
+    probe = asyncio.ensure_future(tier.get_many(["a"], shape))
     await asyncio.sleep(0.1)
     probe.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -219,6 +239,7 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(
     env = {
         "MODELS_FILE": str(tiny_models_file(tmp_path, tiny_bert, adapters=("spam",))),
         "REDIS_URL": redis_server.url,
+        "REDIS_CACHE_SECRET": SECRET,
         "REDIS_TIMEOUT_SECONDS": "0.5",  # loopback answers in well under 1 ms; CI is busy
         "REDIS_BACKOFF_SECONDS": "0.5",
         "REDIS_BACKOFF_MAX_SECONDS": "1",
@@ -267,3 +288,11 @@ def test_redis_settings_are_checked() -> None:
         load_settings(_env_file=None, redis_url="http://127.0.0.1:6379")
     with pytest.raises(SettingsError, match="REDIS_BACKOFF_MAX_SECONDS"):
         load_settings(_env_file=None, redis_backoff_seconds=5, redis_backoff_max_seconds=1)
+    url = "redis://127.0.0.1:6379/0"
+    with pytest.raises(SettingsError, match=r"REDIS_CACHE_SECRET.*REDIS_TRUSTED_NETWORK=true"):
+        load_settings(_env_file=None, redis_url=url)
+    with pytest.raises(SettingsError, match=r"REDIS_CACHE_SECRET: .*at least 16"):
+        load_settings(_env_file=None, redis_url=url, redis_cache_secret="short")
+    assert load_settings(_env_file=None, redis_url=url, redis_cache_secret=SECRET).redis_url
+    assert load_settings(_env_file=None, redis_url=url, redis_trusted_network=True).redis_url
+    assert load_settings(_env_file=None).redis_cache_secret is None  # no Redis, no secret

@@ -631,7 +631,11 @@ def test_disk_cache_faults_are_answered_from_the_model_and_counted(
             again = predict("win a free prize now")
             assert again.headers["X-Cache"] == "lru=0,disk=0,model=1"
             assert again.json() == first.json()
-            assert errors("read") == 1
+            assert errors("read") == 0  # a value that is not an answer is no fault: rejected
+            rejected = metric(
+                server.url, "loraserve_cache_rejected_total", tier="disk", reason="format"
+            )
+            assert rejected == 1
 
             # A full disk: every answer still comes from the model; the failed writes count.
             with disk_full(tmp_path / "disk", mounted, server.process.pid) as how:

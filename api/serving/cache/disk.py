@@ -13,15 +13,18 @@ from typing import Any
 import diskcache
 
 from api.metrics import Metrics
-from api.serving.cache.entry import Entry, is_finite
-from api.serving.cache.tier import count_lookups
+from api.serving.cache.entry import Entry
+from api.serving.cache.text_disk import TextOnlyDisk
+from api.serving.cache.tier import screened
+from api.serving.cache.verify import AnswerShape, Rejected
 
 logger = logging.getLogger(__name__)
 
 
 class DiskTier:
     """diskcache bounded in bytes. Values are JSON text, never pickles: the folder may be
-    shared, and a pickle from it could run code. Any fault is a miss, counted.
+    shared, and a pickle from it could run code (TextOnlyDisk neither writes nor reads one).
+    A value that is not an answer is a miss, counted as rejected; any fault is a miss, counted.
     """
 
     name = "disk"
@@ -38,7 +41,10 @@ class DiskTier:
         # 2 s target and starved batches. Reads are now plain selects, which WAL never
         # blocks; the LRU tier in front keeps what is hot.
         self._cache = diskcache.Cache(
-            str(folder), size_limit=max_bytes, eviction_policy="least-recently-stored"
+            str(folder),
+            disk=TextOnlyDisk,
+            size_limit=max_bytes,
+            eviction_policy="least-recently-stored",
         )
         # Writes go to their own thread: an fsync must not stall the event loop.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-cache")
@@ -56,7 +62,7 @@ class DiskTier:
             return None
 
     def get(self, key: str) -> Entry:
-        """The entry, or KeyError; a corrupt entry raises ValueError."""
+        """The entry, or KeyError; a value this service did not write raises Rejected."""
         raw = self._cache.get(key, default=None, retry=False)
         if raw is None:
             raise KeyError(key)
@@ -65,22 +71,23 @@ class DiskTier:
     def put(self, key: str, entry: Entry) -> None:
         self._cache.set(key, json.dumps([entry[0], entry[1]]), expire=self.ttl_seconds)
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+    async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
         # Inline: a local read costs less than handing it to a thread.
-        entries: list[Entry | None] = []
+        found: list[Entry | Rejected | None] = []
         errors = 0
         for key in keys:
             try:
-                entries.append(self.get(key))
+                found.append(self.get(key))
             except KeyError:
-                entries.append(None)
-            except Exception as exc:  # corrupt entry, I/O error, locked database
+                found.append(None)
+            except Rejected as rejected:
+                found.append(rejected)
+            except Exception as exc:  # I/O error, locked or broken database
                 logger.warning("disk cache read failed: %s", type(exc).__name__)
                 self.metrics.cache_errors.labels(self.name, "read").inc()
-                entries.append(None)
+                found.append(None)
                 errors += 1
-        count_lookups(self.metrics, self.name, entries, errors)
-        return entries
+        return screened(self.metrics, self.name, found, shape, errors)
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
         self._writer.submit(self._write, list(keys), list(entries))
@@ -110,8 +117,17 @@ class DiskTier:
 
 
 def _decode(raw: Any) -> Entry:
-    probabilities, logits = json.loads(raw)
-    entry = tuple(float(p) for p in probabilities), tuple(float(x) for x in logits)
-    if not is_finite(entry):
-        raise ValueError("non-finite score in a cache entry")
-    return entry
+    """The entry a value holds; Rejected for anything but two JSON lists of numbers."""
+    try:
+        probabilities, logits = json.loads(raw)
+        return tuple(map(_number, probabilities)), tuple(map(_number, logits))
+    # JSONDecodeError is a ValueError; a huge integer overflows float; deep nesting recurses.
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise Rejected("format", f"not a cache value: {type(exc).__name__}") from None
+
+
+def _number(value: Any) -> float:
+    # float("nan") and float("1e999") parse; bools and strings are not scores.
+    if type(value) not in (int, float):
+        raise TypeError("a score that is not a number")
+    return float(value)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from api.metrics import Metrics
 from api.serving.cache.entry import Entry
-from api.serving.cache.tier import count_lookups
+from api.serving.cache.tier import screened
+from api.serving.cache.verify import AnswerShape
 
 
 class LruTier:
@@ -35,10 +36,8 @@ class LruTier:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
-        entries = [self.get(key) for key in keys]
-        count_lookups(self.metrics, self.name, entries, errors=0)
-        return entries
+    async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
+        return screened(self.metrics, self.name, [self.get(key) for key in keys], shape, 0)
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
         for key, entry in zip(keys, entries, strict=True):

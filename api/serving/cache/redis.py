@@ -4,8 +4,9 @@ within REDIS_TIMEOUT_SECONDS, counted, and tried again with backoff (a circuit b
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
-import math
 import struct
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
@@ -18,43 +19,61 @@ from redis.retry import Retry
 from api.metrics import Metrics
 from api.serving.cache.breaker import Breaker
 from api.serving.cache.entry import Entry, is_finite
-from api.serving.cache.tier import count_lookups
+from api.serving.cache.tier import screened
+from api.serving.cache.verify import AnswerShape, Rejected
 
 logger = logging.getLogger(__name__)
 
 # A value: format version (1 byte), label count n (2 bytes), then n probabilities and n
-# logits as little-endian float64 (exact: a hit gives the very floats the model gave).
-# Two labels take 35 bytes. The version is also in the key, so replicas of two versions
-# side by side during a rolling update never read or overwrite each other's values.
-FORMAT_VERSION = 1
+# logits as little-endian float64 (exact: a hit gives the very floats the model gave), then,
+# with REDIS_CACHE_SECRET, a 32-byte HMAC-SHA256 over the whole Redis key and all of that.
+# Two labels take 67 bytes (35 without a secret). The version is also in the key, so replicas
+# of two versions side by side during a rolling update never read or overwrite each other's
+# values.
+FORMAT_VERSION = 2
 _HEAD = struct.Struct("<BH")
+_KEY_LENGTH = struct.Struct("<I")
+MAC_BYTES = hashlib.sha256().digest_size
 FAULTS = (RedisError, OSError, asyncio.TimeoutError)
 Result = TypeVar("Result")
 
 
-def encode(entry: Entry) -> bytes:
-    """The stored form of a finite entry; ValueError for any other."""
+def mac(secret: bytes, key: str, body: bytes) -> bytes:
+    """HMAC-SHA256 of the Redis key (its length first, so key and body cannot trade bytes)
+    and the value's body: a value copied to another key, or forged without the secret,
+    does not carry it."""
+    encoded = key.encode()
+    message = _KEY_LENGTH.pack(len(encoded)) + encoded + body
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def encode(entry: Entry, key: str, secret: bytes | None) -> bytes:
+    """The stored form of a finite entry under the Redis key `key`; ValueError for any other."""
     probabilities, logits = entry
     if len(probabilities) != len(logits) or not is_finite(entry):
         raise ValueError("only finite entries with one logit per label are stored")
     values = (*probabilities, *logits)
-    return _HEAD.pack(FORMAT_VERSION, len(probabilities)) + struct.pack(f"<{len(values)}d", *values)
+    body = _HEAD.pack(FORMAT_VERSION, len(probabilities)) + struct.pack(f"<{len(values)}d", *values)
+    return body if secret is None else body + mac(secret, key, body)
 
 
-def decode(raw: bytes | str) -> Entry:
-    """The entry a value holds; ValueError for another version, a bad length or NaN."""
+def decode(raw: bytes | str, key: str, secret: bytes | None) -> Entry:
+    """The entry a value under the Redis key `key` holds; Rejected("format") for a value
+    this service does not write, Rejected("mac") for one not written with `secret` for
+    this key. What the floats say is checked by the caller (verify.rejection)."""
     if not isinstance(raw, bytes):
-        raise ValueError("a text value: not written by this service")
+        raise Rejected("format", "a text value: not written by this service")
     if len(raw) < _HEAD.size:
-        raise ValueError("truncated value")
+        raise Rejected("format", "truncated value")
     version, labels = _HEAD.unpack_from(raw)
     if version != FORMAT_VERSION:
-        raise ValueError(f"value of format {version}, not {FORMAT_VERSION}")
-    if len(raw) != _HEAD.size + 16 * labels:
-        raise ValueError("value of the wrong length")
+        raise Rejected("format", f"value of format {version}, not {FORMAT_VERSION}")
+    size = _HEAD.size + 16 * labels
+    if len(raw) != size + (0 if secret is None else MAC_BYTES):
+        raise Rejected("format", "value of the wrong length")
+    if secret is not None and not hmac.compare_digest(raw[size:], mac(secret, key, raw[:size])):
+        raise Rejected("mac", "value not written with REDIS_CACHE_SECRET for this key")
     values = struct.unpack_from(f"<{2 * labels}d", raw, _HEAD.size)
-    if not all(map(math.isfinite, values)):
-        raise ValueError("non-finite score in a value")
     return values[:labels], values[labels:]
 
 
@@ -73,11 +92,13 @@ class RedisTier:
         timeout_seconds: float,
         breaker: Breaker,
         metrics: Metrics,
+        secret: bytes | None,
     ) -> None:
         self.timeout_seconds = timeout_seconds
         self.breaker = breaker
         self.metrics = metrics
         self._prefix = f"{key_prefix}v{FORMAT_VERSION}:"
+        self._secret = secret
         self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
         # No retries inside the client: a retry would stack timeouts on one request; the
         # breaker decides when Redis is tried again.
@@ -94,7 +115,7 @@ class RedisTier:
         """The Redis key of a cache key: prefix, format version, key."""
         return self._prefix + key
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
+    async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
         if not self.breaker.allow():
             self.metrics.cache_lookups.labels(self.name, "skipped").inc(len(keys))
             return [None] * len(keys)
@@ -108,17 +129,13 @@ class RedisTier:
             self.breaker.abandoned()
             raise
         self._answered()
-        entries: list[Entry | None] = []
-        errors = 0
-        for raw in raws:
+        found: list[Entry | Rejected | None] = []
+        for key, raw in zip(keys, raws, strict=True):
             try:
-                entries.append(None if raw is None else decode(raw))
-            except ValueError:
-                self.metrics.cache_errors.labels(self.name, "decode").inc()
-                entries.append(None)
-                errors += 1
-        count_lookups(self.metrics, self.name, entries, errors)
-        return entries
+                found.append(None if raw is None else decode(raw, self.key(key), self._secret))
+            except Rejected as rejected:
+                found.append(rejected)
+        return screened(self.metrics, self.name, found, shape, errors=0)
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
         if not keys or not self.breaker.allow():
@@ -130,7 +147,8 @@ class RedisTier:
     async def _write(self, keys: list[str], entries: list[Entry]) -> None:
         pipe = self._client.pipeline(transaction=False)
         for key, entry in zip(keys, entries, strict=True):
-            pipe.set(self.key(key), encode(entry), px=self._ttl_ms)
+            redis_key = self.key(key)
+            pipe.set(redis_key, encode(entry, redis_key, self._secret), px=self._ttl_ms)
         try:
             await self._call(pipe.execute())
         except FAULTS as exc:

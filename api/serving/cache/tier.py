@@ -7,6 +7,7 @@ from typing import Protocol
 
 from api.metrics import Metrics
 from api.serving.cache.entry import Entry
+from api.serving.cache.verify import AnswerShape, Rejected, rejection
 
 
 class Tier(Protocol):
@@ -15,8 +16,9 @@ class Tier(Protocol):
 
     name: str
 
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
-        """The entry for each key, None where it has none."""
+    async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
+        """The entry for each key, None where it has none or what it has is not an answer
+        of a model of this shape (counted as rejected)."""
         ...
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
@@ -32,12 +34,32 @@ class Tier(Protocol):
         ...
 
 
-def count_lookups(
-    metrics: Metrics, tier: str, entries: Sequence[Entry | None], errors: int
-) -> None:
-    """Counts the hits, the misses and the `errors` (also misses to the caller) of one read."""
+def screened(
+    metrics: Metrics,
+    tier: str,
+    found: Sequence[Entry | Rejected | None],
+    shape: AnswerShape,
+    errors: int,
+) -> list[Entry | None]:
+    """What a tier read, with every value that is not an answer of this shape turned into
+    a miss and counted (loraserve_cache_rejected_total{tier,reason}); then counts the read's
+    hits, misses, rejections and `errors` (faults, also misses to the caller)."""
+    entries: list[Entry | None] = []
+    rejected = 0
+    for item in found:
+        if item is not None and not isinstance(item, Rejected):
+            item = rejection(item, shape) or item
+        if isinstance(item, Rejected):
+            metrics.cache_rejected.labels(tier, item.reason).inc()
+            rejected += 1
+            entries.append(None)
+        else:
+            entries.append(item)
     hits = sum(entry is not None for entry in entries)
+    misses = len(entries) - hits - rejected - errors
     lookups = metrics.cache_lookups
-    for result, count in (("hit", hits), ("miss", len(entries) - hits - errors), ("error", errors)):
+    counts = (("hit", hits), ("miss", misses), ("rejected", rejected), ("error", errors))
+    for result, count in counts:
         if count:
             lookups.labels(tier, result).inc(count)
+    return entries

@@ -18,6 +18,7 @@ from api.serving.cache.entry import Entry, is_finite
 from api.serving.cache.lru import LruTier
 from api.serving.cache.redis import RedisTier
 from api.serving.cache.tier import Tier
+from api.serving.cache.verify import AnswerShape
 from api.settings import Settings
 
 # X-Cache names these tiers even when they are turned off; a shared tier only when set.
@@ -37,7 +38,9 @@ class Lookup:
 
 class ResultCache:
     """Asks the tiers in order; a hit is copied into the tiers before the one that had it.
-    Any tier can be off; no fault in any of them ever fails a request."""
+    Each tier hands out only entries that pass verify.rejection for the model asked about:
+    what fails it is a miss, so the model answers and store() overwrites it. Any tier can be
+    off; no fault in any of them ever fails a request."""
 
     def __init__(self, tiers: Sequence[Tier], shared: Sequence[str] = ()) -> None:
         self.tiers = list(tiers)
@@ -60,6 +63,7 @@ class ResultCache:
                 tiers.append(disk)
         shared: list[str] = []
         if settings.redis_url is not None:
+            secret = settings.redis_cache_secret
             breaker = Breaker(settings.redis_backoff_seconds, settings.redis_backoff_max_seconds)
             redis = RedisTier(
                 settings.redis_url,
@@ -68,6 +72,7 @@ class ResultCache:
                 settings.redis_timeout_seconds,
                 breaker,
                 metrics,
+                None if secret is None else secret.get_secret_value().encode(),
             )
             tiers.append(redis)
             shared.append(redis.name)
@@ -77,8 +82,8 @@ class ResultCache:
     def enabled(self) -> bool:
         return bool(self.tiers)
 
-    async def lookup(self, keys: list[str]) -> Lookup:
-        """Finds each key in the first tier that holds it."""
+    async def lookup(self, keys: list[str], shape: AnswerShape) -> Lookup:
+        """Finds each key in the first tier that holds an answer of this shape for it."""
         entries: list[Entry | None] = [None] * len(keys)
         tiers = [MODEL] * len(keys)
         missing = list(range(len(keys)))
@@ -86,7 +91,7 @@ class ResultCache:
             if not missing:
                 break
             with tracing.span("cache lookup") as lookup:
-                found = await tier.get_many([keys[i] for i in missing])
+                found = await tier.get_many([keys[i] for i in missing], shape)
                 if lookup is not None:
                     found_count = sum(entry is not None for entry in found)
                     lookup.set_attribute("cache.tier", tier.name)
