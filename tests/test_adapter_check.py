@@ -198,7 +198,10 @@ REFUSED_FIELDS: list[tuple[str, object]] = [
     ("layer_replication", [[0, 2], [1, 2]]),
     ("loftq_config", {"loftq_bits": 4}),
     ("corda_config", {"corda_method": "ipm"}),
-    ("kasa_config", {}),  # an empty sub-config still turns KaSA on... refused only if set
+    ("kasa_config", {"truncation_rank": 2}),
+    ("kasa_config", {}),  # not null: peft makes it KaSA's default config, and truncates
+    ("velora_config", {}),
+    ("use_dora", 1),
     ("bias", "all"),
     ("bias", "lora_only"),
     ("use_dora", True),
@@ -219,8 +222,6 @@ REFUSED_FIELDS: list[tuple[str, object]] = [
 def test_a_config_field_that_is_not_a_plain_lora_delta_is_refused_naming_it(
     field: str, value: object, loaded: LoadedModel, good: Path, tmp_path: Path
 ) -> None:
-    if field == "kasa_config":
-        value = {"truncation_rank": 2}
     folder = shutil.copytree(good, tmp_path / "adapter")
     edit_config(folder, **{field: value})
     with pytest.raises(AdapterError) as refused:

@@ -49,13 +49,13 @@ PLAIN_INITS: tuple[object, ...] = (True, False, "gaussian", "orthogonal", "eva")
 _DEFAULT_MEGATRON_CORE = "megatron.core"
 
 
-def _absent(value: object) -> bool:
-    return value is None or value is False or value == [] or value == {}
+def _only(*defaults: object, reason: str) -> Callable[[object], str | None]:
+    """A check that lets through only the given defaults, of the same JSON type (an empty
+    object is not null: peft turns `"kasa_config": {}` into KaSA's default config)."""
 
-
-def _must_be_absent(reason: str) -> Callable[[object], str | None]:
     def check(value: object) -> str | None:
-        return None if _absent(value) else reason
+        same = any(type(value) is type(default) and value == default for default in defaults)
+        return None if same else f"{value!r}: {reason}"
 
     return check
 
@@ -80,28 +80,29 @@ def _bias(value: object) -> str | None:
 
 # Fields allowed only at their default, each with why: a value there changes the shared base
 # or is not served as a LoRA delta by this service.
+NULL, FALSE = (None,), (False,)
 RESTRICTED_FIELDS: Mapping[str, Callable[[object], str | None]] = {
     "init_lora_weights": _init,
     "bias": _bias,
-    "layer_replication": _must_be_absent("rebuilds the base model's layer list"),
-    "loftq_config": _must_be_absent("LoftQ replaces the base model's weights"),
-    "corda_config": _must_be_absent("CorDA rewrites the base model's weights"),
-    "kasa_config": _must_be_absent("KaSA truncates the base model's weights"),
-    "lora_ga_config": _must_be_absent("LoRA-GA is not a plain LoRA initialisation"),
-    "trainable_token_indices": _must_be_absent(
-        "trains embedding rows, not a LoRA delta: not served"
+    "layer_replication": _only(*NULL, [], reason="rebuilds the base model's layer list"),
+    "loftq_config": _only(*NULL, {}, reason="LoftQ replaces the base model's weights"),
+    "corda_config": _only(*NULL, reason="CorDA rewrites the base model's weights"),
+    "kasa_config": _only(*NULL, reason="KaSA truncates the base model's weights"),
+    "lora_ga_config": _only(*NULL, reason="LoRA-GA is not a plain LoRA initialisation"),
+    "trainable_token_indices": _only(
+        *NULL, reason="trains embedding rows, not a LoRA delta: not served"
     ),
-    "target_parameters": _must_be_absent("wraps parameters, not layers: not served"),
-    "use_dora": _must_be_absent("DoRA's magnitude vectors are not served"),
-    "lora_bias": _must_be_absent("a bias on lora_B is not served"),
-    "use_qalora": _must_be_absent("QALoRA is for GPTQ bases only: not served"),
-    "megatron_config": _must_be_absent("Megatron parallel layers are not served"),
-    "velora_config": _must_be_absent("a LoRA variant (VeLoRA), not served"),
-    "alora_invocation_tokens": _must_be_absent("a LoRA variant (aLoRA), not served"),
-    "monteclora_config": _must_be_absent("a LoRA variant (MonteCLoRA), not served"),
-    "use_bdlora": _must_be_absent("a LoRA variant (BD-LoRA), not served"),
-    "arrow_config": _must_be_absent("a LoRA variant (Arrow), not served"),
-    "ensure_weight_tying": _must_be_absent("ties adapter layers across the base: not served"),
+    "target_parameters": _only(*NULL, reason="wraps parameters, not layers: not served"),
+    "use_dora": _only(*FALSE, reason="DoRA's magnitude vectors are not served"),
+    "lora_bias": _only(*FALSE, reason="a bias on lora_B is not served"),
+    "use_qalora": _only(*FALSE, reason="QALoRA is for GPTQ bases only: not served"),
+    "megatron_config": _only(*NULL, reason="Megatron parallel layers are not served"),
+    "velora_config": _only(*NULL, reason="a LoRA variant (VeLoRA), not served"),
+    "alora_invocation_tokens": _only(*NULL, reason="a LoRA variant (aLoRA), not served"),
+    "monteclora_config": _only(*NULL, reason="a LoRA variant (MonteCLoRA), not served"),
+    "use_bdlora": _only(*NULL, reason="a LoRA variant (BD-LoRA), not served"),
+    "arrow_config": _only(*NULL, reason="a LoRA variant (Arrow), not served"),
+    "ensure_weight_tying": _only(*FALSE, reason="ties adapter layers across the base: not served"),
     "eva_config": lambda value: None,  # EVA's data-driven init runs only in training
 }
 # Never saved by peft, which drops it when reading a file (runtime settings, not the adapter's).
