@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from dotenv import dotenv_values
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
@@ -294,10 +295,16 @@ class Settings(BaseSettings):
     max_adapter_rank: int = Field(
         64, ge=1, description="Largest LoRA rank a run-time adapter may have."
     )
+    adapter_roots: Annotated[list[Path] | None, NoDecode] = Field(
+        None,
+        description="Folders (comma-separated) that POST /v1/load_lora_adapter may load from, "
+        "besides ADAPTERS_DIR; a lora_path elsewhere, or reached through a link out of them, "
+        "is refused (403).",
+    )
     admin_api_key: SecretStr | None = Field(
         None,
-        description="When set, loading and unloading adapters needs this bearer key (API_KEY "
-        "does not open them); it opens every other route too.",
+        description="Opens the routes that load and unload adapters, to this bearer key alone "
+        "(API_KEY does not open them); unset, they answer 403. It opens every other route too.",
     )
 
     @property
@@ -321,6 +328,13 @@ class Settings(BaseSettings):
     def _models_file_exists(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_file():
             raise ValueError(f"no such file: {value}")
+        return value
+
+    @field_validator("adapter_roots", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()] or None
         return value
 
     @field_validator("redis_url")

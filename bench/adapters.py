@@ -61,7 +61,15 @@ EMBEDDED_ADAPTER = REPO / "artifacts" / "spam-minilm" / "adapter"
 CLIENTS = 8
 # Admission control off: on a CPU shared with other work it refuses (429) most of the load
 # at once, and a hiccup must show in the latencies of requests served, not in refusals.
-SERVER_ENV = {**CACHE_OFF, "ADMISSION_CONTROL": "false"}
+# The adapter routes are closed without ADMIN_API_KEY, and load only from under the roots.
+ADMIN_KEY = "bench-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+SERVER_ENV = {
+    **CACHE_OFF,
+    "ADMISSION_CONTROL": "false",
+    "ADMIN_API_KEY": ADMIN_KEY,
+    "ADAPTER_ROOTS": str(WORK),
+}
 THREADS = 2  # torch threads; on a CPU shared with other work, 1 (see docs/reliability.md)
 REPEATS = 5
 SWAPS = 8
@@ -120,7 +128,9 @@ def adapter_variants(folder: Path) -> tuple[Path, Path]:
 
 def load(client: httpx.Client, name: str, folder: Path) -> dict[str, Any]:
     response = client.post(
-        "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}
+        "/v1/load_lora_adapter",
+        json={"lora_name": name, "lora_path": str(folder)},
+        headers=ADMIN,
     )
     response.raise_for_status()
     answer: dict[str, Any] = response.json()
@@ -142,7 +152,9 @@ def idle_loads(url: str, v1: Path) -> list[dict[str, float]]:
                     "attach_seconds": answer["attach_seconds"],
                 }
             )
-            client.post("/v1/unload_lora_adapter", json={"lora_name": f"idle{index}"})
+            client.post(
+                "/v1/unload_lora_adapter", json={"lora_name": f"idle{index}"}, headers=ADMIN
+            )
     return found
 
 

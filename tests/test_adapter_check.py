@@ -183,3 +183,98 @@ def test_models_taking_runtime_adapters_stay_unmerged_and_declare_one_adapter(
         models = tiny_models_file(tmp_path, tiny_bert, runtime_adapters=True, **fields)
         with pytest.raises(ModelsFileError, match="runtime_adapters needs at least one adapter"):
             load_models_file(models)
+
+
+# (field, value) a trainer may have saved, refused with the field named: each rewrites the
+# base every adapter shares, or is not a LoRA delta this service serves (peft 0.21).
+REFUSED_FIELDS: list[tuple[str, object]] = [
+    ("init_lora_weights", "pissa"),
+    ("init_lora_weights", "pissa_niter_4"),
+    ("init_lora_weights", "olora"),
+    ("init_lora_weights", "corda"),
+    ("init_lora_weights", "loftq"),
+    ("init_lora_weights", "mica"),
+    ("init_lora_weights", "lora_ga"),
+    ("layer_replication", [[0, 2], [1, 2]]),
+    ("loftq_config", {"loftq_bits": 4}),
+    ("corda_config", {"corda_method": "ipm"}),
+    ("kasa_config", {"truncation_rank": 2}),
+    ("kasa_config", {}),  # not null: peft makes it KaSA's default config, and truncates
+    ("velora_config", {}),
+    ("use_dora", 1),
+    ("bias", "all"),
+    ("bias", "lora_only"),
+    ("use_dora", True),
+    ("lora_bias", True),
+    ("trainable_token_indices", [1, 2]),
+    ("target_parameters", ["bert.encoder.layer.0.attention.self.query.weight"]),
+    ("ensure_weight_tying", True),
+    ("megatron_config", {"tensor_model_parallel_size": 1}),
+    ("megatron_core", "os"),
+    ("alora_invocation_tokens", [5]),
+    ("use_qalora", True),
+    ("modules_to_save", ["classifier", "embeddings"]),
+    ("a_field_of_a_later_peft", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), REFUSED_FIELDS, ids=lambda v: str(v)[:24])
+def test_a_config_field_that_is_not_a_plain_lora_delta_is_refused_naming_it(
+    field: str, value: object, loaded: LoadedModel, good: Path, tmp_path: Path
+) -> None:
+    folder = shutil.copytree(good, tmp_path / "adapter")
+    edit_config(folder, **{field: value})
+    with pytest.raises(AdapterError) as refused:
+        check_adapter(folder, loaded, None, MAX_RANK)
+    assert refused.value.path == folder / ADAPTER_CONFIG, refused.value
+    assert field in refused.value.reason, refused.value.reason
+
+
+@pytest.mark.parametrize("init", ["gaussian", "orthogonal", "eva", True])
+def test_a_plain_init_serves_exactly_what_the_weights_say(
+    init: object, loaded: LoadedModel, good: Path, tmp_path: Path
+) -> None:
+    """Each plain init touches lora_A and lora_B only, which the file's weights replace: the
+    answers are the bits of the same adapter saved with init_lora_weights false."""
+    predictor = Predictor(loaded)
+    answers = {}
+    for name, fields in (("plain", {}), ("init", {"init_lora_weights": init})):
+        folder = shutil.copytree(good, tmp_path / name)
+        edit_config(folder, **fields)
+        predictor.attach_adapter(f"{name}@1", check_adapter(folder, loaded, None, MAX_RANK))
+        answers[name] = predictor.predict(["win a free prize", "see you at home"], f"{name}@1")
+        predictor.detach_adapter(f"{name}@1")
+    assert answers["init"] == answers["plain"]
+
+
+def test_a_failure_half_way_through_an_attach_leaves_nothing_of_the_adapter_behind(
+    loaded: LoadedModel, good: Path, tmp_path: Path
+) -> None:
+    """An alpha peft cannot divide by, for the last layer it adapts: peft has added the
+    adapter to the layers before when it fails (a TypeError), and forgets only its config."""
+    folder = shutil.copytree(good, tmp_path / "half")
+    edit_config(folder, alpha_pattern={"layer.1.attention.self.value": "eight"})
+    checked = check_adapter(folder, loaded, None, MAX_RANK)
+    predictor = Predictor(loaded)
+    texts = ["win a free prize", "see you at home", "txt stop to claim"]
+    before = predictor.predict(texts, "spam")
+    weights = {key: value.clone() for key, value in loaded.model.state_dict().items()}
+    with pytest.raises(Exception) as failed:
+        predictor.attach_adapter("half@1", checked)
+    after = loaded.model.state_dict()
+    assert [key for key in after if "half@1" in key] == []
+    assert list(after) == list(weights)
+    assert all(torch.equal(after[key], value) for key, value in weights.items())
+    tables = ("lora_A", "lora_B", "lora_dropout", "scaling", "r", "lora_alpha", "use_dora")
+    per_adapter = (dict, torch.nn.ModuleDict, torch.nn.ParameterDict)
+    held = [
+        (module_name, table)
+        for module_name, module in loaded.model.named_modules()
+        for table in tables
+        if isinstance(found := getattr(module, table, None), per_adapter) and "half@1" in found
+    ]
+    assert held == []
+    assert "half@1" not in loaded.model.peft_config
+    assert predictor.predict(texts, "spam") == before
+    assert isinstance(failed.value, AdapterError), failed.value
+    assert "TypeError" in failed.value.reason

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.http.app import create_app
-from api.http.middleware.auth import OPEN_PATHS
+from api.http.middleware.auth import ADMIN_PATHS, OPEN_PATHS
 from tests.app_routes import walk
 from tests.conftest import make_settings, spec_for
 from tests.tiny_models import TinyModel
@@ -73,6 +73,11 @@ def test_every_route_but_the_allow_list_needs_the_key(
         if path in OPEN_PATHS:
             assert without.status_code == 200, path
             continue
+        if path in ADMIN_PATHS:  # closed without ADMIN_API_KEY, whatever the key given
+            for closed in (without, wrong, right):
+                assert closed.status_code == 403, (method, path)
+                assert "ADMIN_API_KEY" in closed.json()["error"]["message"]
+            continue
         for refused in (without, wrong):
             assert refused.status_code == 401, (method, path)
             assert refused.headers["WWW-Authenticate"] == "Bearer"
@@ -89,7 +94,12 @@ def test_the_admin_key_alone_opens_the_routes_that_change_the_adapters(
     admin = "admin-key-for-tests"
     spec = spec_for(tiny_bert, adapters=("spam",), runtime_adapters=True)
     for api_key in (KEY, None):  # with an API key, and with none (predict open to all)
-        settings = make_settings(api_key=api_key, admin_api_key=admin, disk_cache_max_bytes=0)
+        settings = make_settings(
+            api_key=api_key,
+            admin_api_key=admin,
+            adapter_roots=[tiny_bert.adapters["promo"].parent],
+            disk_cache_max_bytes=0,
+        )
         with TestClient(create_app(settings, [spec])) as client:
             while client.get("/ready").status_code != 200:
                 time.sleep(0.02)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -36,6 +37,8 @@ TEXTS = [
 ]
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
 ADAPTERS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "adapters.md"
+ADMIN_KEY = "admin-key-for-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # the load and unload routes need it
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,16 @@ def weights(tiny_bert: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> d
 
 @contextmanager
 def served(tiny: TinyModel, folder: Path, **env: str) -> Iterator[ServerProcess]:
-    """The real server on the tiny BERT with its own adapter `spam`, taking run-time ones."""
+    """The real server on the tiny BERT with its own adapter `spam`, taking run-time ones
+    from under the test session's folder (where every adapter of these tests is built)."""
     models = tiny_models_file(folder, tiny, adapters=("spam",), runtime_adapters=True)
-    settings = {"MODELS_FILE": str(models), "DISK_CACHE_DIR": str(folder / "cache"), **env}
+    settings = {
+        "MODELS_FILE": str(models),
+        "DISK_CACHE_DIR": str(folder / "cache"),
+        "ADMIN_API_KEY": ADMIN_KEY,
+        "ADAPTER_ROOTS": str(folder.parent),
+        **env,
+    }
     with run_server(settings, folder) as server:
         server.wait_ready()
         yield server
@@ -113,7 +123,7 @@ def predict(client: httpx.Client, text: str, adapter: str | None, **extra: Any) 
 
 def load(client: httpx.Client, name: str, folder: Path, **fields: Any) -> httpx.Response:
     body = {"lora_name": name, "lora_path": str(folder), **fields}
-    return client.post("/v1/load_lora_adapter", json=body)
+    return client.post("/v1/load_lora_adapter", json=body, headers=ADMIN)
 
 
 def runtime_adapters(client: httpx.Client) -> dict[str, dict[str, Any]]:
@@ -267,7 +277,9 @@ def test_unload_answers_the_queued_requests_first_then_404(
                 "the requests queued",
             )
             unload_sent = time.monotonic()
-            unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "gone"})
+            unloaded = client.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "gone"}, headers=ADMIN
+            )
             answers = [future.result() for future in futures]
 
         assert unloaded.status_code == 200, unloaded.text
@@ -279,7 +291,7 @@ def test_unload_answers_the_queued_requests_first_then_404(
         assert after.status_code == 404
         assert "'gone'" in after.json()["error"]["message"]
         assert "gone" not in runtime_adapters(client)
-        again = client.post("/v1/unload_lora_adapter", json={"lora_name": "gone"})
+        again = client.post("/v1/unload_lora_adapter", json={"lora_name": "gone"}, headers=ADMIN)
         assert again.status_code == 404
 
 
@@ -436,7 +448,10 @@ def test_the_documented_curl_example_runs_word_for_word(
     with served(tiny_bert, tmp_path) as server:
         script = found.group(1).replace("localhost:8000", server.url.removeprefix("http://"))
         script = script.replace("/adapters/spam-v2", str(v1.folder))
-        run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        env = {"PATH": os.environ["PATH"], "ADMIN_API_KEY": ADMIN_KEY}  # as the docs page says
+        run = subprocess.run(
+            ["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env
+        )
     assert run.returncode == 0, run.stderr
     answers, decoder, at = [], json.JSONDecoder(), 0
     while at < len(run.stdout):  # curl -s prints each answer with no newline after it

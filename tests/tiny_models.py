@@ -182,8 +182,11 @@ def build_llama(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def build_adapter(base: Path, folder: Path, targets: list[str], seed: int, rank: int = 4) -> Path:
-    """A LoRA adapter with random (non-zero) weights and a trained-looking head."""
+def build_adapter(
+    base: Path, folder: Path, targets: list[str], seed: int, rank: int = 4, **fields: object
+) -> Path:
+    """A LoRA adapter with random (non-zero) weights and a trained-looking head; `fields`
+    are more LoraConfig fields (or other values of its own), as a trainer would give them."""
     model = AutoModelForSequenceClassification.from_pretrained(
         base,
         num_labels=len(LABELS),
@@ -193,13 +196,15 @@ def build_adapter(base: Path, folder: Path, targets: list[str], seed: int, rank:
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     torch.manual_seed(seed)
-    config = LoraConfig(
-        task_type=TaskType.SEQ_CLS,
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=targets,
-        init_lora_weights=False,
-    )
+    settings: dict[str, object] = {
+        "task_type": TaskType.SEQ_CLS,
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": targets,
+        "init_lora_weights": False,
+        **fields,
+    }
+    config = LoraConfig(**settings)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():  # a distinct head per adapter, so adapters answer differently
         for name, param in peft_model.named_parameters():

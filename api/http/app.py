@@ -96,12 +96,12 @@ def create_app(
     app.include_router(router)
     # Added last = runs first: metrics see every answer, 401s and 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    if settings.api_key is not None or settings.admin_api_key is not None:
-        api_key, admin_key = (
-            None if key is None else key.get_secret_value()
-            for key in (settings.api_key, settings.admin_api_key)
-        )
-        app.add_middleware(ApiKeyGuard, api_key=api_key, admin_key=admin_key)
+    # Always: without ADMIN_API_KEY it keeps the adapter routes closed.
+    api_key, admin_key = (
+        None if key is None else key.get_secret_value()
+        for key in (settings.api_key, settings.admin_api_key)
+    )
+    app.add_middleware(ApiKeyGuard, api_key=api_key, admin_key=admin_key)
     app.add_middleware(RequestMetrics, state=state)
     # Outermost: every answer carries the request's id, and its access line and span see it.
     app.add_middleware(RequestObserver)

@@ -66,6 +66,13 @@ class Unauthorized(ServiceError):
         super().__init__(message, {"WWW-Authenticate": "Bearer"})
 
 
+class Forbidden(ServiceError):
+    """A request no key opens: a route closed by the settings, a path outside the roots."""
+
+    status_code = 403
+    code = "forbidden"
+
+
 class Overloaded(ServiceError):
     status_code = 429
     code = "overloaded"

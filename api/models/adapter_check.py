@@ -3,12 +3,10 @@ its files, its pinned digest, the base it names, and every tensor against the ba
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from safetensors.torch import load as load_safetensors
 
 from api.models.adapters import (
     ADAPTER_CONFIG,
@@ -18,13 +16,15 @@ from api.models.adapters import (
     CheckedAdapter,
     check_head_covered,
     read_adapter_config,
+    read_adapter_weights,
 )
-from api.models.checkpoint import sha256_of
 from api.models.loader import LoadedModel
 
 # peft saves every tensor of a model it wraps under this prefix (adapter name left out).
 PEFT_PREFIX = "base_model.model."
 LORA_A, LORA_B = "lora_A.weight", "lora_B.weight"
+# The heads peft's sequence-classification model copies for every adapter it adds.
+CLASSIFIER_HEADS = ("classifier", "score")
 
 
 def check_adapter(
@@ -35,21 +35,13 @@ def check_adapter(
     """
     if not folder.is_dir():
         raise AdapterError(folder, "no such adapter folder")
-    config = read_adapter_config(folder)
+    config, config_digest = read_adapter_config(folder)
     config_path, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
-    try:
-        data = weights.read_bytes()  # read once: the bytes hashed are the bytes parsed
-        config_digest = sha256_of(config_path)
-    except OSError as exc:
-        raise AdapterError(weights, f"cannot read: {exc.strerror or exc}") from None
-    digest = hashlib.sha256(data).hexdigest()
+    tensors, digest = read_adapter_weights(weights)
     if sha256 is not None and digest != sha256:
         raise AdapterError(weights, f"sha256 {digest} does not match the expected {sha256}")
-    try:
-        tensors = load_safetensors(data)
-    except Exception as exc:  # safetensors raises its own SafetensorError, and others
-        raise AdapterError(weights, f"not a readable safetensors file: {exc}") from None
     check_base_name(config, loaded, config_path)
+    check_saved_modules(config, loaded.model, config_path)
     check_head_covered(config, loaded.missing_base_keys, weights)
     rank = check_tensors(tensors, loaded.model, max_rank, weights)
     return CheckedAdapter(folder, config, tensors, AdapterDigests(digest, config_digest), rank)
@@ -76,6 +68,19 @@ def check_base_name(config: LoraConfig, loaded: LoadedModel, path: Path) -> None
         f"adapter for another base: trained on {named!r}, model {loaded.spec.name!r} serves "
         f"{' = '.join(repr(name) for name in known)} (declare its hub id as base_name)",
     )
+
+
+def check_saved_modules(config: LoraConfig, model: torch.nn.Module, path: Path) -> None:
+    """A run-time adapter may carry its own head, as the model's adapters do, and nothing
+    else whole: any other module in `modules_to_save` would be a copy of part of the base
+    replaced for its rows, not a LoRA delta (and as large as that part)."""
+    kept = set(getattr(model, "modules_to_save", None) or ()) | set(CLASSIFIER_HEADS)
+    if extra := sorted(set(config.modules_to_save or ()) - kept):
+        raise AdapterError(
+            path,
+            f"modules_to_save: {extra} would replace modules of the base; a run-time adapter "
+            f"may carry only the head ({', '.join(sorted(kept))})",
+        )
 
 
 def _same_folder(named: str, folder: Path) -> bool:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.tuners.tuners_utils import delete_adapter as delete_peft_adapter
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load as load_safetensors
 
-from api.models.checkpoint import CheckpointError, safetensors_tensor_names, sha256_of
+from api.models.adapter_config import ConfigRefused, parse_adapter_config
 from api.models.spec import AdapterSpec
 
 # A run-time adapter's old version is detached while it may be peft's active adapter, which
@@ -52,19 +58,39 @@ class CheckedAdapter:
     rank: int
 
 
-def read_adapter_config(folder: Path) -> LoraConfig:
-    """Reads and checks `adapter_config.json`: it must exist and describe a LoRA adapter."""
+def read_adapter_config(folder: Path) -> tuple[LoraConfig, str]:
+    """Reads `adapter_config.json` once: the config its bytes describe (checked field by field,
+    api.models.adapter_config) and the sha256 of those same bytes, so a file changing
+    meanwhile cannot give the weights served one config and the answers' identity another."""
     config_path = folder / ADAPTER_CONFIG
     if not config_path.is_file():
         raise AdapterError(config_path, "missing: not an adapter folder")
+    data = _read(config_path)
     try:
-        config = PeftConfig.from_pretrained(str(folder))
-    except Exception as exc:  # peft raises bare ValueError/TypeError/JSON errors here
+        config = parse_adapter_config(data)
+    except ConfigRefused as exc:
         raise AdapterError(config_path, f"bad adapter config: {exc}") from None
-    if not isinstance(config, LoraConfig):
-        raise AdapterError(config_path, f"bad adapter config: {config.peft_type} is not LoRA")
-    config.inference_mode = True
-    return config
+    return config, hashlib.sha256(data).hexdigest()
+
+
+def read_adapter_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """Reads `adapter_model.safetensors` once: its tensors (on the CPU) and the sha256 of the
+    bytes they were parsed from."""
+    data = _read(path)
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError, and others
+        raise AdapterError(
+            path, f"truncated or corrupt, not a readable safetensors file: {exc}"
+        ) from None
+    return tensors, hashlib.sha256(data).hexdigest()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise AdapterError(path, f"cannot read: {exc.strerror or exc}") from None
 
 
 def check_head_covered(config: LoraConfig, missing_base_keys: list[str], path: Path) -> None:
@@ -90,16 +116,10 @@ def attach_adapters(
     model: PeftModel | None = None
     digests: dict[str, AdapterDigests] = {}
     for adapter in adapters:
-        config = read_adapter_config(adapter.path)
+        config, config_digest = read_adapter_config(adapter.path)
         weights = adapter.path / ADAPTER_WEIGHTS
         check_head_covered(config, missing_base_keys, weights)
-        try:
-            given = safetensors_tensor_names(weights)
-            digest = sha256_of(weights)
-            config_digest = sha256_of(adapter.path / ADAPTER_CONFIG)
-        except (CheckpointError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, CheckpointError) else str(exc)
-            raise AdapterError(weights, reason) from None
+        given, digest = read_adapter_weights(weights)
         if adapter.sha256 is not None and digest != adapter.sha256:
             raise AdapterError(weights, f"sha256 {digest} does not match pinned {adapter.sha256}")
         try:
@@ -109,14 +129,16 @@ def attach_adapters(
                 model.add_adapter(adapter.name, config)
         except ValueError as exc:  # peft: "Target modules ... not found in the base model"
             raise AdapterError(weights, f"adapter does not fit this base: {exc}") from None
-        expected = set(get_peft_model_state_dict(model, adapter_name=adapter.name))
-        if given != expected:
-            raise AdapterError(weights, _mismatch(expected, given))
-        try:
-            model.load_adapter(str(adapter.path), adapter_name=adapter.name)
-        except RuntimeError as exc:  # torch: "size mismatch for ..."
-            first_line = str(exc).strip().splitlines()[-1].strip()
-            raise AdapterError(weights, f"adapter for another base: {first_line}") from None
+        expected = get_peft_model_state_dict(
+            model, adapter_name=adapter.name, save_embedding_layers=False
+        )
+        if set(given) != set(expected):
+            raise AdapterError(weights, _mismatch(set(expected), set(given)))
+        if wrong := [key for key in given if given[key].shape != expected[key].shape]:
+            raise AdapterError(weights, f"adapter for another base: {_few(wrong)} differ in shape")
+        # The tensors read (and hashed) above, not the file again: peft's load_adapter would
+        # read it a second time.
+        set_peft_model_state_dict(model, given, adapter_name=adapter.name)
         digests[adapter.name] = AdapterDigests(weights=digest, config=config_digest)
     if model is None:
         raise ValueError("attach_adapters needs at least one adapter")
@@ -125,16 +147,16 @@ def attach_adapters(
 
 
 def attach_checked(model: torch.nn.Module, name: str, checked: CheckedAdapter) -> None:
-    """Attaches a checked adapter to a peft model under `name`. Refused, with nothing left
-    attached, where peft lays it out with other tensor names or shapes than it carries."""
+    """Attaches a checked adapter to a peft model under `name`. Refused, with nothing of it
+    left in the model, where peft lays it out with other tensor names or shapes than it
+    carries, or where anything at all fails on the way."""
     weights = checked.folder / ADAPTER_WEIGHTS
     if not isinstance(model, PeftModel):
         raise AdapterError(weights, "the model is not served with peft: no adapter attaches")
     try:
-        model.add_adapter(name, checked.config)
-    except ValueError as exc:  # peft: "Target modules ... not found in the base model"
-        raise AdapterError(weights, f"adapter does not fit this base: {exc}") from None
-    try:
+        # A copy: peft adds the head's names to the modules_to_save of the config it is given,
+        # and this one is attached again after every eviction.
+        model.add_adapter(name, copy.deepcopy(checked.config))
         # Not "auto": that asks the model hub whether the base's vocabulary changed.
         expected = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
         given = checked.tensors
@@ -145,16 +167,59 @@ def attach_checked(model: torch.nn.Module, name: str, checked: CheckedAdapter) -
                 weights, f"tensors of another shape than peft expects: {_few(wrong)}"
             )
         set_peft_model_state_dict(model, given, adapter_name=name)
-    except BaseException:
-        model.delete_adapter(name)
-        raise
+    except BaseException as exc:
+        remove_adapter(model, name)
+        if isinstance(exc, AdapterError) or not isinstance(exc, Exception):
+            raise
+        reason = f"{type(exc).__name__}: {str(exc).strip() or 'no message'}".splitlines()[0]
+        raise AdapterError(weights, f"adapter does not fit this base: {reason}") from None
     model.eval()
 
 
 def detach(model: torch.nn.Module, name: str) -> None:
     """Removes the adapter `name` from a peft model (nothing when it is not attached)."""
     if isinstance(model, PeftModel) and name in model.peft_config:
+        remove_adapter(model, name)
+
+
+def remove_adapter(model: PeftModel, name: str) -> None:
+    """Removes every layer, weight and setting peft holds for adapter `name`, also after an
+    attach that failed half-way (peft then forgets the adapter's config, not its layers);
+    raises when any is left."""
+    if name in model.peft_config:
         model.delete_adapter(name)
+    else:
+        inner = cast(torch.nn.Module, model.base_model.model)
+        delete_peft_adapter(inner, name, prefix="lora_", layer_cls=BaseTunerLayer)
+    _unwrap_empty_layers(cast(torch.nn.Module, model.base_model.model))
+    if left := leftovers(model, name):
+        raise RuntimeError(f"adapter {name!r} could not be removed: {_few(left)} remain")
+
+
+def _unwrap_empty_layers(model: torch.nn.Module) -> None:
+    """Puts each base layer back in place of a LoRA layer left holding no adapter (one the
+    removed adapter alone had wrapped): the model's layout is again what it was before."""
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, BaseTunerLayer) or any(
+            getattr(module, table) for table in module.adapter_layer_names
+        ):
+            continue
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module.get_base_layer())
+
+
+def leftovers(model: torch.nn.Module, name: str) -> list[str]:
+    """What `model` still holds for adapter `name`: its weights, and its entries in peft's
+    per-adapter tables (ranks, scalings, dropouts), by module."""
+    found = [key for key in model.state_dict() if f".{name}." in key or key.endswith(f".{name}")]
+    for module_name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            for table in (*module.adapter_layer_names, *module.other_param_names):
+                if name in (getattr(module, table, None) or {}):
+                    found.append(f"{module_name}.{table}[{name}]")
+    if name in getattr(model, "peft_config", {}):
+        found.append(f"peft_config[{name}]")
+    return found
 
 
 def _mismatch(expected: set[str], given: set[str]) -> str:

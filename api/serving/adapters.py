@@ -165,17 +165,29 @@ class AdapterSet:
         """The run-time adapters that the watched folder loaded."""
         return [name for name, adapter in self._adapters.items() if adapter.source == "folder"]
 
+    def answer_identity(self, name: str | None) -> AnswerIdentity:
+        """The identity adapter `name` (as `ServedModel.adapter_for` resolved it) answers under
+        now, attaching nothing: a request asks the caches with it first. Called once per
+        request, which it counts."""
+        runtime = self._adapters.get(name) if name is not None else None
+        if runtime is not None:
+            runtime.requests += 1
+            return runtime.version.identity
+        if name not in self._declared:  # unloaded since the route resolved it
+            raise UnknownName(f"model {self.served.name!r} has no adapter {name!r}")
+        self._declared_requests[name] += 1
+        return self._declared[name]
+
     async def lease(self, name: str | None, deadline: float) -> Lease:
-        """Holds adapter `name` (as `ServedModel.adapter_for` resolved it) for one request; an
-        evicted one is attached again first, within `deadline` (monotonic clock)."""
+        """Holds adapter `name` (as `ServedModel.adapter_for` resolved it) for one request's
+        texts that no cache holds; an evicted one is attached again first, within `deadline`
+        (monotonic clock)."""
         runtime = self._adapters.get(name) if name is not None else None
         if runtime is None or name is None:
             if name not in self._declared:  # unloaded since the route resolved it
                 raise UnknownName(f"model {self.served.name!r} has no adapter {name!r}")
-            self._declared_requests[name] += 1
             return Lease(name, self._declared[name])
         version = runtime.version
-        runtime.requests += 1
         version.leases += 1
         version.idle.clear()
         version.last_used = time.monotonic()

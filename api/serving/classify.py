@@ -14,7 +14,7 @@ from api.serving.adapters import AdapterSet, Lease
 from api.serving.admission import Admission
 from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
-from api.serving.cache.tiers import DEFAULT_TIER_NAMES
+from api.serving.cache.tiers import DEFAULT_TIER_NAMES, Lookup
 from api.serving.cache.verify import AnswerShape
 from api.serving.identity import AnswerIdentity
 
@@ -71,39 +71,58 @@ class ModelRunner:
         deadline: float,
     ) -> Classified:
         """Scores the texts with the adapter named (None: the model's default), asking the
-        model only for those no cache tier holds, all before `deadline` (monotonic clock)."""
+        model only for those no cache tier holds, all before `deadline` (monotonic clock).
+        The caches are asked first: a request they answer whole attaches nothing, not even
+        an evicted run-time adapter."""
+        name = self.served.adapter_for(adapter)
+        identity = self.adapters.answer_identity(name)
+        if cache is None or not cache.enabled:
+            lease = await self.adapters.lease(name, deadline)
+            try:
+                scores = await self._compute(texts, lease.adapter, truncate, deadline)
+            finally:
+                self.adapters.release(lease)
+            return Classified(scores, ["model"] * len(texts))
+        found = await self._look_up(texts, identity, truncate, cache)
+        if None not in found.entries:
+            return Classified([Scores(*entry) for entry in found.entries if entry], found.tiers)
         # Held until answered: a swap or unload meanwhile leaves this request's weights be.
-        lease = await self.adapters.lease(self.served.adapter_for(adapter), deadline)
+        lease = await self.adapters.lease(name, deadline)
         try:
-            return await self._classify(texts, lease, truncate, cache, deadline)
+            if lease.identity.digest != identity.digest:  # swapped since: that version's answers
+                found = await self._look_up(texts, lease.identity, truncate, cache)
+            return await self._fill(texts, found, lease, truncate, cache, deadline)
         finally:
             self.adapters.release(lease)
 
-    async def _classify(
+    async def _look_up(
+        self, texts: list[str], identity: AnswerIdentity, truncate: bool, cache: ResultCache
+    ) -> Lookup:
+        keys = [cache_key(identity.digest, truncate, text) for text in texts]
+        return await cache.lookup(keys, self.answer_shape)
+
+    async def _fill(
         self,
         texts: list[str],
+        found: Lookup,
         lease: Lease,
         truncate: bool,
-        cache: ResultCache | None,
+        cache: ResultCache,
         deadline: float,
     ) -> Classified:
-        adapter = lease.adapter
-        if cache is None or not cache.enabled:
-            scores = await self._compute(texts, adapter, truncate, deadline)
-            return Classified(scores, ["model"] * len(texts))
-        identity = lease.identity.digest
-        keys = [cache_key(identity, truncate, text) for text in texts]
-        found = await cache.lookup(keys, self.answer_shape)
+        """The cached answers, and the model's for the texts no tier held (then stored)."""
         missing = [index for index, entry in enumerate(found.entries) if entry is None]
         results: list[Scores | None] = [
             None if entry is None else Scores(*entry) for entry in found.entries
         ]
         if missing:
-            computed = await self._compute([texts[i] for i in missing], adapter, truncate, deadline)
+            computed = await self._compute(
+                [texts[i] for i in missing], lease.adapter, truncate, deadline
+            )
             for index, one in zip(missing, computed, strict=True):
                 results[index] = one
             entries: list[Entry] = [(s.probabilities, s.logits) for s in computed]
-            cache.store([keys[i] for i in missing], entries)
+            cache.store([found.keys[i] for i in missing], entries)
         return Classified([r for r in results if r is not None], found.tiers)
 
     async def _compute(

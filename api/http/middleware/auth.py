@@ -1,5 +1,6 @@
 """Optional API keys: every path but an explicit allow-list needs `Authorization: Bearer`;
-an admin key, when set, alone opens the routes that change what is served."""
+the routes that change what is served are closed unless an admin key is set, and then open
+to it alone."""
 
 from __future__ import annotations
 
@@ -7,19 +8,23 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.http.errors import Unauthorized
+from api.http.errors import Forbidden, Unauthorized
 
 # Probes and scrapers carry no key: these answer without one, and hold nothing secret.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
-# Routes that change what is served: ADMIN_API_KEY's, where it is set.
+# Routes that change what is served (and read folders of the server): ADMIN_API_KEY's alone.
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+ADMIN_CLOSED = (
+    "loading and unloading adapters is closed: set ADMIN_API_KEY to open these routes to "
+    "that key (API_KEY does not open them)"
+)
 
 
 class ApiKeyGuard:
     """Refuses requests without the right key with 401 and `WWW-Authenticate: Bearer`.
 
-    With `api_key`, every path but OPEN_PATHS needs it (or the admin key); with `admin_key`,
-    ADMIN_PATHS need that one, and the API key does not open them. A middleware rather than
+    With `api_key`, every path but OPEN_PATHS needs it (or the admin key); ADMIN_PATHS need
+    `admin_key`, and without one answer 403 to everybody. A middleware rather than
     a route dependency, so a route added later cannot forget it. Keys are compared in
     constant time and never written to logs or error bodies.
     """
@@ -34,7 +39,10 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         accepted: list[bytes] = []  # none: open (no API key, and not an admin path)
-        if scope["path"] in ADMIN_PATHS and self._admin is not None:
+        if scope["path"] in ADMIN_PATHS:
+            if self._admin is None:
+                await Forbidden(ADMIN_CLOSED).response(scope["path"])(scope, receive, send)
+                return
             accepted = [self._admin]
         elif self._api is not None:
             accepted = [key for key in (self._api, self._admin) if key is not None]

@@ -3,11 +3,9 @@ POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, and GET /v1/adapters."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import APIRouter
 
-from api.http.errors import Conflict, InvalidInput, NotFound
+from api.http.errors import Conflict, Forbidden, InvalidInput, NotFound
 from api.http.lifecycle import check_serving
 from api.http.routes.common import State
 from api.http.schemas import (
@@ -22,10 +20,11 @@ from api.http.schemas import (
 )
 from api.http.state import ServiceState
 from api.models.registry import UnknownName
+from api.serving.adapter_roots import OutsideRoots, adapter_roots, place
 from api.serving.adapters import AdapterConflict, AdapterInfo, AdapterRefused, AdapterSet
 
 ERRORS: dict[int | str, dict[str, object]] = {
-    status: {"model": ErrorBody} for status in (401, 404, 409, 422, 503)
+    status: {"model": ErrorBody} for status in (401, 403, 404, 409, 422, 503)
 }
 
 router = APIRouter()
@@ -34,10 +33,15 @@ router = APIRouter()
 @router.post("/v1/load_lora_adapter", response_model=AdapterLoaded, responses=ERRORS)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State) -> AdapterLoaded:
     """Loads an adapter, or swaps in new weights for one of that name: checked against its
-    base first (refused with the reason, nothing changed), then attached between batches."""
+    base first (refused with the reason, nothing changed), then attached between batches.
+    Only from under ADAPTERS_DIR or ADAPTER_ROOTS: elsewhere is a 403 that says nothing of
+    what lies there."""
+    try:
+        folder = place(body.lora_path, adapter_roots(state.settings))
+    except OutsideRoots as exc:
+        raise Forbidden(str(exc)) from None
     check_serving(state)
     adapters = adapter_set(state, body.model)
-    folder = Path(body.lora_path).expanduser()
     try:
         done = await adapters.load(body.lora_name, folder, body.sha256, body.pinned, "api")
     except AdapterRefused as exc:
