@@ -279,7 +279,7 @@ def test_redis_killed_and_restarted_under_load_fails_no_request(
     summary = result.summary()
     assert result.statuses and set(result.statuses) == {200}, summary
     assert result.transport_errors == 0, summary
-    assert hits > 0 and faults > 0 and skipped > 0, (hits, faults, skipped)
+    assert hits > 0 and faults > 0 and skipped > 0, (hits, faults, skipped, summary)
     assert up == 1
 
 
