@@ -100,6 +100,20 @@ def test_a_request_over_the_target_on_its_own_is_run_when_nothing_waits_ahead() 
         admission.check(waiting(ahead=Work(1, 10), own=Work(1, 10_000)), seconds_left=10)
 
 
+def test_with_nothing_queued_or_running_a_request_is_always_run() -> None:
+    admission = Admission(target_seconds=1.0)  # 0.75 s; estimates doubled until checked
+    admission.cost.observe(1000, 0.5)  # a slow first batch: 0.5 s
+    for _ in range(4):
+        admission.cost.observe(1000, 0.5)
+    # 0.5 s, doubled: over the limit, but refusing it would run nothing, learn nothing.
+    assert admission.check(waiting(own=Work(1, 1000)), seconds_left=10) == pytest.approx(0.5)
+    with pytest.raises(NotAdmitted):  # behind a running batch it can wait its turn
+        admission.check(
+            waiting(own=Work(1, 500), running_tokens=1000, running_seconds=0.1),
+            seconds_left=10,
+        )
+
+
 def test_the_running_batch_counts_what_it_has_left_also_without_a_fixed_cost() -> None:
     admission = unscaled(target_seconds=1.0)  # 0.75 s may be waited
     for _ in range(5):

@@ -140,10 +140,12 @@ class Admission:
         expected = self.overrun.value * estimate
         if expected <= limit:
             return estimate
-        if backlog.ahead.batches == 0 and fit.seconds(backlog.own) > limit:
+        if backlog.ahead.batches == 0 and self.overrun.value * fit.seconds(backlog.own) > limit:
             # With nothing queued ahead, waiting could not make it fit: a request whose own
             # cost passes the limit (many long texts on a slow model) is run as soon as the
-            # device is free, not refused with a Retry-After that would never help.
+            # device is free, not refused with a Retry-After that would never help. (With
+            # nothing running either, that is every request refused so far: were it
+            # refused, no batch would run to correct the estimate.)
             return estimate
         self._refused()
         # Retry once what runs and is queued now has drained, in whole seconds as HTTP says.
