@@ -175,6 +175,9 @@ def test_a_new_admission_scales_its_estimates_until_waits_come_within_them() -> 
         admission.waited(0.2, 0.1)
     assert admission.overrun.value == pytest.approx(2.0 * math.exp(-0.5))
     assert admission.check(over, seconds_left=10) == pytest.approx(0.4)  # 0.49 s: admitted
+    for _ in range(100):  # a stall: every queued request 100 times its estimate
+        admission.waited(0.2, 20.0)
+    assert admission.overrun.value == pytest.approx(4.0)  # at most 4: not a lasting refusal
 
 
 async def test_the_issues_worked_example_is_estimated_at_least_at_the_real_wait() -> None:

@@ -31,6 +31,10 @@ HEADROOM = 0.75
 OVERRUN_QUANTILE = 0.95
 OVERRUN_STEP = 0.1
 OVERRUN_START = 2.0
+# At most this: waits further over their estimates are the machine stalling (a forward held
+# for seconds by a descheduled thread), which no scaling foresees, and a burst of them (every
+# request queued behind one stall) would otherwise keep refusing long after it.
+OVERRUN_MAX = 4.0
 
 
 class NotAdmitted(Exception):
@@ -106,7 +110,9 @@ class Admission:
     # The waits over their estimates (at least 1: the estimate of the backlog is not
     # lowered below what that work costs).
     overrun: RunningQuantile = field(
-        default_factory=lambda: RunningQuantile(OVERRUN_QUANTILE, OVERRUN_STEP, OVERRUN_START)
+        default_factory=lambda: RunningQuantile(
+            OVERRUN_QUANTILE, OVERRUN_STEP, OVERRUN_START, ceiling=OVERRUN_MAX
+        )
     )
     on_refuse: Callable[[], None] | None = None  # for metrics
     enabled: bool = True  # off: every request is queued (up to the queue's bound)

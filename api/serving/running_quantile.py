@@ -19,15 +19,17 @@ class RunningQuantile:
     step: float  # in natural-log units
     start: float = 1.0  # the value before any sample
     floor: float = 1.0  # the least value it takes: below it, it would have to climb back
+    ceiling: float = math.inf  # the most: past it, a burst of outliers would take long to undo
     _log_value: float = 0.0
 
     def __post_init__(self) -> None:
-        self._log_value = math.log(max(self.start, self.floor))
+        self._log_value = math.log(min(max(self.start, self.floor), self.ceiling))
 
     def observe(self, sample: float) -> None:
         """Adds one sample (> 0)."""
         if math.log(sample) > self._log_value:
-            self._log_value += self.step * self.quantile
+            highest = math.log(self.ceiling)
+            self._log_value = min(highest, self._log_value + self.step * self.quantile)
         else:
             lowest = math.log(self.floor)
             self._log_value = max(lowest, self._log_value - self.step * (1 - self.quantile))
