@@ -75,9 +75,10 @@ def sms_texts(count: int = 2000) -> list[str]:
     return list(dict.fromkeys(row.text for row in read_collection()))[:count]
 
 
-def predict_request(host: str, texts: str | list[str]) -> bytes:
-    """A whole `POST /predict` for one text or a list, as bytes on the wire."""
-    body = json.dumps({"inputs": texts}).encode()
+def predict_request(host: str, texts: str | list[str], model: str | None = None) -> bytes:
+    """A whole `POST /predict` for one text or a list (to `model`, else the default), as
+    bytes on the wire."""
+    body = json.dumps({"inputs": texts} | ({"model": model} if model else {})).encode()
     head = (
         f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -167,18 +168,19 @@ def run_load(
     texts: list[str],
     per_request: int = 1,
     honour_retry_after: bool = True,
+    model: str | None = None,
 ) -> LoadResult:
-    """`clients` connections sending `per_request` texts per request (one: a bare string),
-    for `seconds`; then what was seen.
+    """`clients` connections sending `per_request` texts per request (one: a bare string)
+    to `model` (None: the default), for `seconds`; then what was seen.
 
     Every client waits for its last answer, so nothing is in flight when this returns.
     """
     host = urlsplit(url).netloc
     if per_request == 1:
-        requests = [predict_request(host, text) for text in texts]
+        requests = [predict_request(host, text, model) for text in texts]
     else:
         groups = [texts[i : i + per_request] for i in range(0, len(texts), per_request)]
-        requests = [predict_request(host, group) for group in groups]
+        requests = [predict_request(host, group, model) for group in groups]
     result = LoadResult(clients=clients, seconds=seconds)
 
     async def main() -> None:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from api.serving.batch_plan import Work
 from api.serving.batching import (
     Batcher,
     BatchFailed,
@@ -468,4 +469,53 @@ async def test_a_failing_release_hook_does_not_stop_the_retry(executor: ThreadPo
         asyncio.gather(*(batcher.submit([[i]], ["a"], 10) for i in range(4))), 5
     )
     assert [r[0][1] for r in results] == [0, 1, 2, 3] and fake.sizes == [4, 2, 2]
+    await batcher.stop()
+
+
+async def test_failed_and_split_batches_are_reported_failed(executor: ThreadPoolExecutor) -> None:
+    fake = FakePredictor(fail=True)
+    seen: list[BatchStats] = []
+    batcher = batcher_for(fake, executor, max_batch_size=4, max_wait_seconds=0)
+    batcher._on_batch = seen.append
+    with pytest.raises(BatchFailed):
+        await batcher.submit([[1]], ["a"], 5)
+    fake.fail, fake.oom_above = False, 1
+    await asyncio.gather(*(batcher.submit([[i]], ["a"], 5) for i in range(2, 4)))  # split
+    fake.oom_above = None
+    await batcher.submit([[9]], ["a"], 5)
+    assert [(stats.rows, stats.failed) for stats in seen] == [(1, True), (2, True), (1, False)]
+    await batcher.stop()
+
+
+async def test_the_backlog_counts_each_row_once_and_abandoned_rows_not_at_all(
+    executor: ThreadPoolExecutor,
+) -> None:
+    # Padded, rows closest in length: planned padded to the longest, 4 a batch (1000 tokens).
+    fake = FakePredictor()
+    fake.gate.clear()
+    batcher = batcher_for(fake, executor, max_batch_size=4, max_wait_seconds=0)
+    running = asyncio.ensure_future(batcher.submit([[1] * 10], ["a"], 10))
+    await asyncio.sleep(0.05)
+    gone = [[2] * 5, [3] * 7]
+    with pytest.raises(DeadlineExceeded):  # the client gave up; its rows stay queued
+        await batcher.submit(gone, ["a", "a"], 0.05)
+    backlog = batcher.backlog(gone, ["a", "a"])  # the same texts again
+    assert backlog.ahead == Work(0, 0)  # its abandoned rows are not ahead of it...
+    assert backlog.own == backlog.total == Work(1, 2 * 7)  # ...but its own, once
+    assert backlog.running_tokens == 10 and backlog.running_seconds > 0
+    # Another client's texts: the abandoned rows nobody sends again will be dropped unrun.
+    assert batcher.backlog([[4] * 3], ["a"]).total == Work(1, 3)
+    # Queued for someone else: ahead of a request that does not send it, its own if it does.
+    other = asyncio.ensure_future(batcher.submit([[5] * 6], ["a"], 10))
+    await asyncio.sleep(0.02)
+    assert batcher.backlog([[4] * 3], ["a"]).ahead == Work(1, 6)
+    both = batcher.backlog([[5] * 6, [5] * 6, [4] * 3], ["a"] * 3)  # a text twice: once
+    assert (both.ahead, both.own, both.total) == (Work(0, 0), Work(1, 2 * 6), Work(1, 2 * 6))
+    # A text in the running batch costs it nothing more; another adapter's is a new row.
+    assert batcher.backlog([[1] * 10], ["a"]).own == Work(0, 0)
+    assert batcher.backlog([[1] * 10], ["b"]).own == Work(1, 10)
+    fake.gate.set()
+    await asyncio.wait_for(asyncio.gather(running, other), 5)
+    ran = [ids for batch in fake.batches for _, ids in batch]
+    assert [2] * 5 not in ran and [3] * 7 not in ran
     await batcher.stop()

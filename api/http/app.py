@@ -189,7 +189,6 @@ def _start_runners(state: ServiceState, on_device_failed: Callable[[str], None])
         refused = state.metrics.admission_refusals.labels(served.name)
         admission = Admission(
             state.settings.latency_target_seconds,
-            state.settings.max_batch_size,
             on_refuse=refused.inc,
             enabled=state.settings.admission_control,
         )
@@ -217,7 +216,7 @@ def _batcher(
     settings, metrics, name = state.settings, state.metrics, served.name
 
     def on_batch(stats: BatchStats) -> None:
-        admission.cost.observe(stats.tokens, stats.run_seconds)
+        admission.batch_ran(stats)
         metrics.batch_size.labels(name).observe(stats.rows)
         metrics.batch_tokens.labels(name).observe(stats.tokens)
         metrics.batch_inference_seconds.labels(name).observe(stats.run_seconds)

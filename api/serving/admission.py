@@ -7,18 +7,34 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from api.serving.batch_plan import Work
+from api.serving.batching import Backlog, BatchStats
+from api.serving.running_quantile import RunningQuantile
+
 # Recent batches weigh most: a weight that halves every ~14 batches follows a change of load
 # (or of the text lengths served) within a second or two at the rates this CPU serves.
 DECAY = 0.95
 # Fewer batches than this say too little to judge a request's cost on.
 MIN_BATCHES = 3
-# Before that, at most this many batches' worth of rows may wait.
-COLD_START_BATCHES = 2
-# The share of the target (or of a deadline) that the expected wait may fill. The estimate is
-# a mean: at 128 clients the queue's actual drain ran up to 1.3x it (forwards slow down while
-# the event loop is busy), and the time a request spends before and after the queue (read,
-# cache, tokenize, answer) is outside it. 0.75 kept every 200 under a 2 s target there.
+# The share of the target (or of a deadline) that the expected wait may fill: the time a
+# request spends before and after the queue (read, cache, tokenize, answer) is outside the
+# estimate, and the overrun below is learnt from waits already past, not foreseen.
 HEADROOM = 0.75
+# The backlog's estimate covers the work queued when a request comes, but the batcher runs
+# rows of similar length together, so rows that come later may run before a request's own
+# (and a CPU shared with other work slows down at random). Estimates are scaled by this
+# quantile of how far the waits of admitted requests ran over theirs, learnt as they come:
+# a step of 0.1 (in logarithms) moves it by 1.1x in a few slow answers. It starts where the
+# LLM's overloaded waits settled on this shared CPU, so that the first overload after a start
+# is not admitted on estimates that nothing has checked yet; it comes down as answers come
+# within theirs (by 0.5 % each).
+OVERRUN_QUANTILE = 0.95
+OVERRUN_STEP = 0.1
+OVERRUN_START = 2.0
+# At most this: waits further over their estimates are the machine stalling (a forward held
+# for seconds by a descheduled thread), which no scaling foresees, and a burst of them (every
+# request queued behind one stall) would otherwise keep refusing long after it.
+OVERRUN_MAX = 4.0
 
 
 class NotAdmitted(Exception):
@@ -30,13 +46,16 @@ class NotAdmitted(Exception):
             f"expected to take {expected} behind the queued work, over "
             f"{limit_seconds:.2f} s; retry in {retry_after} s"
         )
+        self.expected_seconds = expected_seconds
         self.retry_after = retry_after
 
 
 @dataclass
 class CostEstimate:
     """What a forward costs on one model: `per_batch + per_token × tokens` seconds, fitted by
-    exponentially weighted least squares over the batches it ran."""
+    exponentially weighted least squares over the batches it ran. Tokens are what the
+    forward computes (padding counted unless packed), here as in the work it is applied to.
+    """
 
     _weight: float = 0.0
     _tokens: float = 0.0
@@ -54,8 +73,8 @@ class CostEstimate:
         self._tokens_seconds = DECAY * self._tokens_seconds + tokens * seconds
         self.batches += 1
 
-    def per_token_and_batch(self) -> tuple[float, float] | None:
-        """(seconds per token, seconds per batch), or None before MIN_BATCHES batches."""
+    def fit(self) -> Fit | None:
+        """The fitted cost, or None before MIN_BATCHES batches."""
         if self.batches < MIN_BATCHES or self._tokens <= 0:
             return None
         mean_tokens = self._tokens / self._weight
@@ -65,17 +84,21 @@ class CostEstimate:
             slope = (self._tokens_seconds / self._weight - mean_tokens * mean_seconds) / variance
             intercept = mean_seconds - slope * mean_tokens
             if slope > 0 and intercept >= 0:
-                return slope, intercept
+                return Fit(slope, intercept)
         # One batch size seen (or a fit that makes no sense): all of it per token.
-        return mean_seconds / mean_tokens, 0.0
+        return Fit(mean_seconds / mean_tokens, 0.0)
 
-    def seconds(self, tokens: int, batches: int) -> float | None:
-        """Expected seconds to run `tokens` tokens in `batches` batches; None if unknown."""
-        fitted = self.per_token_and_batch()
-        if fitted is None:
-            return None
-        per_token, per_batch = fitted
-        return per_token * tokens + per_batch * batches
+
+@dataclass(frozen=True)
+class Fit:
+    """A forward's cost: `per_batch + per_token × tokens` seconds."""
+
+    per_token: float
+    per_batch: float
+
+    def seconds(self, work: Work) -> float:
+        """Expected seconds to run `work`."""
+        return self.per_token * work.tokens + self.per_batch * work.batches
 
 
 @dataclass
@@ -83,38 +106,63 @@ class Admission:
     """Admits a request when its expected completion fits its deadline and the target."""
 
     target_seconds: float
-    max_batch_size: int
     cost: CostEstimate = field(default_factory=CostEstimate)
+    # The waits over their estimates (at least 1: the estimate of the backlog is not
+    # lowered below what that work costs).
+    overrun: RunningQuantile = field(
+        default_factory=lambda: RunningQuantile(
+            OVERRUN_QUANTILE, OVERRUN_STEP, OVERRUN_START, ceiling=OVERRUN_MAX
+        )
+    )
     on_refuse: Callable[[], None] | None = None  # for metrics
     enabled: bool = True  # off: every request is queued (up to the queue's bound)
 
-    def check(
-        self, queued_rows: int, queued_tokens: int, rows: int, tokens: int, seconds_left: float
-    ) -> None:
-        """Raises NotAdmitted when `rows` of `tokens` tokens, queued behind `queued_rows` rows
-        of `queued_tokens` tokens, would finish past `seconds_left` or the target."""
-        if not self.enabled or queued_rows == 0:
-            # With nothing queued ahead, waiting could not make it sooner: a request whose
-            # own cost passes the limit (many long texts on a slow model) is run as soon as
-            # the device is free, not refused with a Retry-After that would never help.
-            return
-        all_rows = queued_rows + rows
-        batches = math.ceil(all_rows / self.max_batch_size) + 1  # +1: the one running now
-        expected = self.cost.seconds(queued_tokens + tokens, batches)
+    def batch_ran(self, stats: BatchStats) -> None:
+        """Adds a batch's cost; not a failed one's, whose time says nothing of it."""
+        if not stats.failed:
+            self.cost.observe(stats.tokens, stats.run_seconds)
+
+    def check(self, backlog: Backlog, seconds_left: float) -> float | None:
+        """Raises NotAdmitted when the request would finish past `seconds_left` or the
+        target: after the running batch's rest and every batch its rows and the rows queued
+        before it make (see Backlog). Else returns its wait as estimated from the backlog,
+        for `waited` (None: unmeasured, or admission off)."""
+        if not self.enabled:
+            return None
         limit = HEADROOM * min(seconds_left, self.target_seconds)
-        if expected is None:
-            # Nothing measured yet (the first batches after start): admit what two batches
-            # hold, so that a burst at start cannot queue more than a few batches unmeasured.
-            if all_rows <= COLD_START_BATCHES * self.max_batch_size:
-                return
+        fit = self.cost.fit()
+        if fit is None:
+            # Nothing measured yet (the first batches after start): one request at a time
+            # may wait, so that a burst at start cannot queue more than it can judge.
+            if backlog.ahead.batches == 0:
+                return None
             self._refused()
             raise NotAdmitted(float("nan"), limit, 1)
+        running_left = 0.0
+        if backlog.running_tokens:  # at least nothing, once it has run past its estimate
+            running = fit.seconds(Work(1, backlog.running_tokens))
+            running_left = max(0.0, running - backlog.running_seconds)
+        estimate = running_left + fit.seconds(backlog.total)
+        expected = self.overrun.value * estimate
         if expected <= limit:
-            return
+            return estimate
+        if backlog.ahead.batches == 0 and self.overrun.value * fit.seconds(backlog.own) > limit:
+            # With nothing queued ahead, waiting could not make it fit: a request whose own
+            # cost passes the limit (many long texts on a slow model) is run as soon as the
+            # device is free, not refused with a Retry-After that would never help. (With
+            # nothing running either, that is every request refused so far: were it
+            # refused, no batch would run to correct the estimate.)
+            return estimate
         self._refused()
-        ahead = self.cost.seconds(queued_tokens, batches - 1) or 0.0
-        # Retry once what is queued now has drained, in whole seconds as HTTP says.
+        # Retry once what runs and is queued now has drained, in whole seconds as HTTP says.
+        ahead = self.overrun.value * (running_left + fit.seconds(backlog.ahead))
         raise NotAdmitted(expected, limit, max(1, math.ceil(ahead)))
+
+    def waited(self, estimate: float, seconds: float) -> None:
+        """Adds how long an admitted request waited for its rows against the estimate
+        `check` returned for it."""
+        if estimate > 0:
+            self.overrun.observe(max(seconds, 1e-6) / estimate)
 
     def _refused(self) -> None:
         if self.on_refuse is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
@@ -15,6 +16,7 @@ from opentelemetry.trace import SpanContext
 
 from api.models import faults
 from api.observability import tracing
+from api.serving.batch_plan import Work, planned_work
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,22 @@ class BatchStats:
     tokens: int  # what the forward computes: padding counted unless packed
     queue_seconds: list[float]
     run_seconds: float
+    # A forward raised (the batch failed, or ran out of memory and was split): its time is
+    # no measure of what the batch costs.
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What a request about to be submitted would wait for, for admission. Each row counts
+    once: one queued for another request, or abandoned by a client that has gone, is run
+    once for all who send it; abandoned rows nobody sends again are dropped unrun."""
+
+    ahead: Work  # the rows queued for other requests
+    own: Work  # the request's rows that are neither running nor queued for others
+    total: Work  # ahead and own, batched together
+    running_tokens: int  # the batch on the device now (0: none)
+    running_seconds: float  # how long it has run so far
 
 
 @dataclass(eq=False)
@@ -162,7 +180,10 @@ class Batcher(Generic[Result]):
         self._on_drop = on_drop
         self._on_oom = on_out_of_memory
         self._pending: list[_Row[Result]] = []
-        self._queued_tokens = 0
+        # The lengths of the pending rows someone waits for (length: rows).
+        self._waited_lengths: Counter[int] = Counter()
+        self._running_batch: _Batch[Result] | None = None
+        self._running_since = 0.0
         self._inflight: dict[Hashable, _Row[Result]] = {}
         self._arrived = asyncio.Event()
         self._requests = 0
@@ -177,10 +198,27 @@ class Batcher(Generic[Result]):
         """Rows waiting for a batch."""
         return len(self._pending)
 
-    @property
-    def queued_tokens(self) -> int:
-        """Real tokens of the rows waiting for a batch."""
-        return self._queued_tokens
+    def backlog(self, rows: list[list[int]], adapters: list[str | None]) -> Backlog:
+        """What these rows, submitted now, would wait for (see Backlog)."""
+        ahead = Counter(self._waited_lengths)
+        own: Counter[int] = Counter()
+        for key in dict.fromkeys(zip(adapters, map(tuple, rows), strict=True)):
+            row = self._inflight.get(key)
+            if row is not None and not row.future.done():
+                if row.started:
+                    continue  # in the running batch
+                if row.waiters > 0:
+                    ahead[len(row.ids)] -= 1
+            own[len(key[1])] += 1
+        ahead = +ahead  # drops the lengths left at 0
+        running = self._running_batch
+        return Backlog(
+            ahead=planned_work(ahead, self.limits),
+            own=planned_work(own, self.limits),
+            total=planned_work(ahead + own, self.limits),
+            running_tokens=0 if running is None else running.tokens(),
+            running_seconds=0.0 if running is None else time.monotonic() - self._running_since,
+        )
 
     @property
     def requests(self) -> int:
@@ -204,7 +242,7 @@ class Batcher(Generic[Result]):
             if not row.future.done():
                 row.future.set_exception(BatchFailed("service stopped"))
         self._pending.clear()
-        self._queued_tokens = 0
+        self._waited_lengths.clear()
 
     async def submit(
         self, rows: list[list[int]], adapters: list[str | None], timeout: float
@@ -223,10 +261,11 @@ class Batcher(Generic[Result]):
                 row.future.add_done_callback(_retrieve)
                 self._inflight[key] = row
                 self._pending.append(row)
-                self._queued_tokens += len(ids)
             else:  # the same text is queued or running: wait for that one
                 row.deadline = max(row.deadline, now + timeout)
             row.waiters += 1
+            if row.waiters == 1 and _is_pending(row):
+                self._waited_lengths[len(row.ids)] += 1
             mine.append(row)
         request = _Request(len(mine), len(mine), tracing.current_span_context(), now)
         for row in mine:
@@ -243,6 +282,8 @@ class Batcher(Generic[Result]):
             self._requests -= 1
             for row in mine:
                 row.waiters -= 1
+                if row.waiters == 0 and _is_pending(row):
+                    self._waited_lengths[len(row.ids)] -= 1
 
     async def _collect(self) -> None:
         while True:
@@ -300,12 +341,13 @@ class Batcher(Generic[Result]):
             else:
                 live.append(row)
         if not live:
-            self._pending, self._queued_tokens = [], 0
+            self._pending = []
+            self._waited_lengths.clear()
             return _Batch(self.limits.packed)
         batch = self._choose(live)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
-        self._queued_tokens = sum(len(row.ids) for row in self._pending)
+        self._waited_lengths = Counter(len(row.ids) for row in self._pending)
         for row in batch.rows:
             row.started = True
         return batch
@@ -354,8 +396,9 @@ class Batcher(Generic[Result]):
     async def _run(self, batch: _Batch[Result]) -> None:
         try:
             started = time.monotonic()
+            self._running_batch, self._running_since = batch, started
             with _batch_span(batch):
-                await self._run_rows(batch.rows)
+                succeeded = await self._run_rows(batch.rows)
             if self._on_batch is not None:
                 self._on_batch(
                     BatchStats(
@@ -363,9 +406,11 @@ class Batcher(Generic[Result]):
                         tokens=batch.tokens(),
                         queue_seconds=[started - row.enqueued for row in batch.rows],
                         run_seconds=time.monotonic() - started,
+                        failed=not succeeded,
                     )
                 )
         finally:
+            self._running_batch = None
             for row in batch.rows:
                 if self._inflight.get(row.key) is row:
                     del self._inflight[row.key]
@@ -384,8 +429,9 @@ class Batcher(Generic[Result]):
         self._refill_rows = min(self.limits.max_batch_size, len(self._pending) + answered)
         self._refill_until = time.monotonic() + self.limits.refill_wait_seconds
 
-    async def _run_rows(self, rows: list[_Row[Result]]) -> None:
-        """Runs rows in the executor; on out-of-memory, halves the batch and tries again."""
+    async def _run_rows(self, rows: list[_Row[Result]]) -> bool:
+        """Runs rows in the executor; on out-of-memory, halves the batch and tries again.
+        True if its one forward raised nothing."""
         loop = asyncio.get_running_loop()
         ids = [row.ids for row in rows]
         adapters = [row.adapter for row in rows]
@@ -399,11 +445,11 @@ class Batcher(Generic[Result]):
         except Exception as exc:
             if not (self._is_oom(exc) and len(rows) > 1):
                 _fail(rows, str(exc) or type(exc).__name__)
-                return
+                return False
             logger.warning("out of memory on a batch of %d; splitting it", len(rows))
         else:
             _deliver(rows, results)
-            return
+            return True
         # Retried only here, outside the `except` block: inside it the exception is alive, and
         # its traceback holds the frames of the failed forward with their activations, so the
         # halves would run beside the memory that the whole batch could not fit in.
@@ -415,6 +461,7 @@ class Batcher(Generic[Result]):
         half = len(rows) // 2
         await self._run_rows(rows[:half])
         await self._run_rows(rows[half:])
+        return False
 
 
 def cheapest_group_of(
@@ -474,6 +521,12 @@ def _fail(rows: list[_Row[Result]], reason: str) -> None:
     for row in rows:
         if not row.future.done():
             row.future.set_exception(BatchFailed(reason))
+
+
+def _is_pending(row: _Row[Any]) -> bool:
+    """Queued, not yet in a batch: a row leaves the queue when it starts or is dropped
+    (its future then done)."""
+    return not row.started and not row.future.done()
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -138,10 +138,11 @@ class ModelRunner:
             else:
                 rows = await asyncio.to_thread(encode, texts, truncate)
         left = seconds_left(deadline)
-        batcher = self.batcher
-        tokens = sum(map(len, rows))
+        adapters = [adapter] * len(rows)
         with tracing.span("admission"):
-            self.admission.check(
-                batcher.queued_rows, batcher.queued_tokens, len(rows), tokens, left
-            )
-        return await batcher.submit(rows, [adapter] * len(rows), left)
+            estimate = self.admission.check(self.batcher.backlog(rows, adapters), left)
+        queued = time.monotonic()
+        scores = await self.batcher.submit(rows, adapters, left)
+        if estimate is not None:
+            self.admission.waited(estimate, time.monotonic() - queued)
+        return scores
