@@ -180,6 +180,7 @@ def _off_gpu(where: object) -> bool:
 
 def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | None]:
     """The local folder of the base: a path, a GGUF conversion, or the Hugging Face cache."""
+    assert spec.base is not None  # a simulated model resolves no folder
     if spec.gguf is not None:
         return converted_folder(spec, settings), spec.gguf.sha256[:12]
     local = Path(spec.base)
@@ -209,7 +210,7 @@ def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | Non
 
 def converted_folder(spec: ModelSpec, settings: Settings) -> Path:
     """The safetensors folder made from the spec's GGUF, converting it on first use."""
-    assert spec.gguf is not None
+    assert spec.gguf is not None and spec.base is not None
     folder = settings.model_cache_folder / spec.base
     if (folder / "config.json").is_file():
         return folder
@@ -276,7 +277,7 @@ def load_model(
         except CheckpointError as exc:
             raise LoadError(spec.name, exc.path, exc.reason) from None
         config = _read_config(spec, folder)
-        tokenizer = _read_tokenizer(spec, folder)
+        tokenizer = read_tokenizer(spec, folder)
         entry, recorded, prequantized = _find_prequantized(
             spec, settings, base_fingerprint, quant_config, dtype, device
         )
@@ -502,7 +503,7 @@ def _read_config(spec: ModelSpec, folder: Path) -> Any:
     return config
 
 
-def _read_tokenizer(spec: ModelSpec, folder: Path) -> Any:
+def read_tokenizer(spec: ModelSpec, folder: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(
             str(folder), trust_remote_code=spec.trust_remote_code, local_files_only=True
