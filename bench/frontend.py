@@ -14,10 +14,10 @@ bench/reports/frontend.{md,json}. In one run:
   requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
 - CPU time per request of each of the server's threads (/proc/<pid>/task/*/stat, named
   through `py-spy dump`), in the same runs;
-- a profile of one more /predict run by `py-spy record` (raw folded stacks, only threads on
-  a CPU): each sample goes to the stage of its innermost frame that names one (see RULES),
-  and the server's CPU time in that run is shared out by the samples. Profiled, the server
-  runs slower; the shares, not that run's rate, are the point.
+- a profile of one more /predict run by `py-spy record` (raw folded stacks, threads on a
+  CPU): each sample goes to the stage of its innermost frame that names one (see RULES), and
+  each thread's CPU time in that run (/proc) is shared out by its samples. Profiled, the
+  server runs slower; the shares, not that run's rate, are the point.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ RULES = (
     Rule("event loop", "uvloop"),
 )
 OTHER = "other"
-STAGES = tuple(dict.fromkeys([rule.stage for rule in RULES] + [OTHER]))
+NATIVE = "native threads"
+STAGES = tuple(dict.fromkeys([rule.stage for rule in RULES] + [OTHER, NATIVE]))
 
 
 @dataclass(frozen=True)
@@ -158,19 +159,38 @@ def stage_of(frames: list[str]) -> str:
     return OTHER
 
 
-def fold(raw: str) -> tuple[Counter[str], Counter[str]]:
+def fold(raw: str) -> dict[int, Counter[str]]:
     """py-spy's raw output (`thread (tid): name;frame;...;frame count` a line) as samples per
-    stage and samples per thread name."""
-    stages: Counter[str] = Counter()
-    threads: Counter[str] = Counter()
+    stage, by native thread id."""
+    threads: dict[int, Counter[str]] = {}
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         thread, *frames = stack.split(";")
-        stages[stage_of(frames)] += int(count)
-        threads[thread.partition(": ")[2] or thread] += int(count)
-    return stages, threads
+        tid = int(thread.partition("(")[2].partition(")")[0])
+        threads.setdefault(tid, Counter())[stage_of(frames)] += int(count)
+    return threads
+
+
+def cpu_by_stage(samples: dict[int, Counter[str]], cpu: dict[int, float]) -> Counter[str]:
+    """Each thread's CPU seconds (`cpu`, from /proc) shared out by its samples' stages.
+
+    py-spy marks a thread on a CPU or not from its kernel state at the sample, which under
+    load also counts threads just woken or about to wait (the device thread in its sleep, an
+    executor's worker at its queue); /proc's count is exact per thread, so the samples only
+    split each thread's time. A thread without a sample (native, not Python) is NATIVE.
+    """
+    stages: Counter[str] = Counter()
+    for tid, seconds in cpu.items():
+        counts = samples.get(tid)
+        if not counts:
+            stages[NATIVE] += seconds
+            continue
+        total = sum(counts.values())
+        for stage, count in counts.items():
+            stages[stage] += seconds * count / total
+    return stages
 
 
 # --- threads -------------------------------------------------------------------------------
@@ -262,30 +282,34 @@ def profile(url: str, pid: int, seconds: float, texts: Path, out: Path) -> dict[
     command += ["--full-filenames", "--nonblocking", "--output", str(raw_path)]
     recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(0.5)  # attached before the load starts
-    cpu_before = process_cpu_seconds(pid)
+    names = thread_names(pid)
+    before = thread_cpu_seconds(pid)
     summary = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
-    cpu_seconds = process_cpu_seconds(pid) - cpu_before
+    after = thread_cpu_seconds(pid)
     _, errors = recorder.communicate(timeout=seconds + 60)
     if recorder.returncode != 0 or not raw_path.exists():
         raise RuntimeError(f"py-spy record failed ({recorder.returncode}): {errors.decode()}")
-    stages, threads = fold(raw_path.read_text(encoding="utf-8"))
-    total = sum(stages.values()) or 1
+    samples = fold(raw_path.read_text(encoding="utf-8"))
+    cpu = {tid: seconds - before.get(tid, ("", 0.0))[1] for tid, (_, seconds) in after.items()}
+    stages = cpu_by_stage(samples, {tid: used for tid, used in cpu.items() if used > 0})
     requests = summary["requests"]
-    per_request_us = 1e6 * cpu_seconds / max(requests, 1)
+    total = sum(stages.values()) or 1.0
     return {
         "requests": requests,
         "requests_per_s": round(requests / (summary["duration_us"] / 1e6), 1),
-        "samples": total,
-        "server_cpu_us_per_request": round(per_request_us, 1),
+        "samples": sum(sum(counts.values()) for counts in samples.values()),
+        "server_cpu_us_per_request": round(1e6 * total / max(requests, 1), 1),
         "stages": {
             stage: {
                 "share": round(stages[stage] / total, 4),
-                "cpu_us_per_request": round(per_request_us * stages[stage] / total, 1),
+                "cpu_us_per_request": round(1e6 * stages[stage] / max(requests, 1), 1),
             }
             for stage in STAGES
             if stages[stage]
         },
-        "thread_shares": {name: round(count / total, 4) for name, count in threads.most_common()},
+        "thread_samples": {
+            names.get(tid, str(tid)): sum(counts.values()) for tid, counts in samples.items()
+        },
     }
 
 
@@ -370,9 +394,9 @@ def report(result: dict[str, Any]) -> str:
         "",
         "## CPU per /predict request by stage",
         "",
-        f"py-spy, {prof['samples']} samples of threads on a CPU over a profiled run "
-        f"({prof['requests_per_s']:,.0f} req/s while profiled; {prof['server_cpu_us_per_request']}"
-        " µs of server CPU a request, shared out by the samples).",
+        f"py-spy, {prof['samples']} samples over a profiled run ({prof['requests_per_s']:,.0f} "
+        f"req/s while profiled; {prof['server_cpu_us_per_request']} µs of server CPU a "
+        "request): each thread's CPU time from /proc, shared out by its samples' stages.",
         "",
         "| stage | share | CPU µs/request |",
         "|---|---|---|",

@@ -3,7 +3,9 @@ called the library at its leaf, and samples are counted by stage and by thread."
 
 from __future__ import annotations
 
-from bench.frontend import ASGI, QUEUE, fold, stage_of
+import pytest
+
+from bench.frontend import ASGI, NATIVE, QUEUE, cpu_by_stage, fold, stage_of
 
 SITE = "/venv/lib/python3.11/site-packages"
 LOOP = [
@@ -41,15 +43,22 @@ def test_a_library_call_counts_for_the_stage_that_made_it() -> None:
     assert stage_of(["main (/elsewhere/tool.py:1)"]) == "other"
 
 
-def test_samples_are_counted_by_stage_and_thread() -> None:
+def test_each_threads_cpu_time_is_shared_out_by_its_samples() -> None:
     forward = "SimulatedPredictor._scores (/app/api/models/simulated.py:120)"
+    wait = "_worker (/usr/lib/python3.11/concurrent/futures/thread.py:81)"
     raw = "\n".join(
         [
-            f"thread (11): MainThread;{';'.join(LOOP)} 7",
-            f"thread (12): infer-meta_0;{forward} 3",
-            f"thread (11): MainThread;{';'.join(LOOP)} 2",
+            f"thread (11): MainThread;{';'.join(LOOP)} 6",
+            f"thread (12): infer-meta_0;{forward} 1",
+            f"thread (12): infer-meta_0;{wait} 3",
+            f"thread (11): MainThread;{';'.join(ROUTE)} 2",
         ]
     )
-    stages, threads = fold(raw + "\n")
-    assert stages == {"event loop": 9, "predictor": 3}
-    assert threads == {"MainThread": 9, "infer-meta_0": 3}
+    samples = fold(raw + "\n")
+    main, device = {"event loop": 6, "route and lifecycle": 2}, {"predictor": 1, QUEUE: 3}
+    assert samples == {11: main, 12: device}
+    # Thread 13 ran native code only: no Python sample.
+    stages = cpu_by_stage(samples, {11: 0.8, 12: 0.2, 13: 0.1})
+    assert stages == pytest.approx(
+        {"event loop": 0.6, "route and lifecycle": 0.2, "predictor": 0.05, QUEUE: 0.15, NATIVE: 0.1}
+    )
