@@ -10,7 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
+from api.models.simulated import SimulatedPredictor, hashed_logits, load_simulated
 from api.models.spec import ModelsFileError, load_models_file
 from api.settings import load_settings
 from tests.load_client import metric
@@ -43,6 +45,24 @@ def test_a_simulated_model_uses_the_embedded_bases_tokenizer(tmp_path: Path) -> 
     embedded = load_models_file(None)[0]
     assert spec.simulated is not None and spec.base is None
     assert spec.tokenizer == embedded.base  # the same resolved folder
+
+
+def test_tokenizer_names_another_folder_and_its_ids_are_the_ones_scored(
+    tiny_bert: TinyModel,
+) -> None:
+    # Relative to the models file, as every path in it.
+    models = tiny_bert.base.parent / "simulated-models.yaml"
+    write_models_file(models, [simulated_entry(tokenizer=f"./{tiny_bert.base.name}")])
+    (spec,) = load_models_file(models)
+    assert spec.tokenizer == str(tiny_bert.base.resolve())
+    predictor = SimulatedPredictor(load_simulated(spec))
+    texts = ["win a free prize now", "see you at lunch"]
+    reference = AutoTokenizer.from_pretrained(str(tiny_bert.base))(texts)["input_ids"]
+    assert predictor.encode(texts) == reference
+    scores = predictor.predict(texts)
+    assert [s.logits for s in scores] == [  # every row finite: Scores
+        pytest.approx(hashed_logits(ids, 2), rel=1e-6) for ids in reference
+    ]
 
 
 @pytest.mark.parametrize(
