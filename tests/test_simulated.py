@@ -117,7 +117,7 @@ def test_no_setting_declares_a_simulated_model(
 def sim_server(tmp_path: Path) -> Iterator[ServerProcess]:
     models = write_models_file(tmp_path / "models.yaml", [simulated_entry()])
     with run_server({"MODELS_FILE": str(models), "MAX_BATCH_WAIT_SECONDS": "0.05"}, tmp_path) as s:
-        s.wait_ready(60)
+        s.wait_ready()
         yield s
 
 
@@ -186,7 +186,7 @@ def test_admission_refuses_when_its_cost_makes_the_target_unreachable(tmp_path: 
         "DISK_CACHE_MAX_BYTES": "0",
     }
     with run_server(env, tmp_path) as server:
-        server.wait_ready(60)
+        server.wait_ready()
         for n in range(3):  # the cost fit needs a few batches
             assert predict(server, [f"warm {n}"]).status_code == 200
 
