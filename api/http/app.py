@@ -271,7 +271,7 @@ def _report_model(metrics: Metrics, served: ServedModel) -> None:
     for adapter in loaded.adapters or ["none"]:
         metrics.model_info.labels(
             spec.name,
-            spec.base,
+            spec.base or "",
             loaded.revision or "",
             adapter,
             spec.quantization,

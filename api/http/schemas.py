@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
-from api.models.spec import NAME_PATTERN
+from api.models.spec import NAME_PATTERN, SimulatedDevice
 
 
 def first_lone_surrogate(texts: list[str]) -> int | None:
@@ -129,7 +129,11 @@ class ModelInfo(BaseModel):
     """What `GET /models` says of one loaded model."""
 
     name: str
-    base: str
+    base: str | None = Field(description="Its base; null for a simulated model.")
+    simulated: SimulatedDevice | None = Field(
+        description="A simulated device's declared cost (it loads no weights and its scores "
+        "are a hash of the tokens); null for a real model."
+    )
     revision: str | None
     architecture: str
     quantization: str

@@ -182,6 +182,7 @@ def _off_gpu(where: object) -> bool:
 
 def resolve_folder(spec: ModelSpec, settings: Settings) -> tuple[Path, str | None]:
     """The local folder of the base: a path, a GGUF conversion, or the Hugging Face cache."""
+    assert spec.base is not None  # a simulated model resolves no folder
     if spec.gguf is not None:
         return converted_folder(spec, settings), spec.gguf.sha256[:12]
     local = Path(spec.base)
@@ -275,7 +276,7 @@ def load_model(
         except CheckpointError as exc:
             raise LoadError(spec.name, exc.path, exc.reason) from None
         config = _read_config(spec, folder)
-        tokenizer = _read_tokenizer(spec, folder)
+        tokenizer = read_tokenizer(spec, folder)
         entry, recorded, prequantized = _find_prequantized(
             spec, settings, base_fingerprint, quant_config, dtype, device
         )
@@ -518,7 +519,7 @@ def _read_config(spec: ModelSpec, folder: Path) -> Any:
     return config
 
 
-def _read_tokenizer(spec: ModelSpec, folder: Path) -> Any:
+def read_tokenizer(spec: ModelSpec, folder: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(
             str(folder), trust_remote_code=spec.trust_remote_code, local_files_only=True

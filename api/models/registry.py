@@ -13,6 +13,7 @@ import torch
 from api.models.convert.staging import sweep_stale_staging
 from api.models.loader import LoadedModel, load_model, timed
 from api.models.predictor import Predictor
+from api.models.simulated import SimulatedPredictor, load_simulated
 from api.models.spec import ModelSpec
 from api.settings import Settings
 
@@ -179,8 +180,8 @@ class Registry:
         progress = self.progress[spec.name]
         progress.state, progress.started = "loading", time.perf_counter()
         try:
-            loaded = load_model(spec, self.settings, held)
-            predictor = Predictor(loaded, self.settings.pad_to_multiple_of)
+            predictor = self._predictor(spec, held)
+            loaded = predictor.loaded
             device = self.device_thread(loaded.device)
             batch_tokens = batch_tokens_for(loaded.device, self.settings.max_batch_tokens)
             if self.settings.pack_batches and not self.settings.torch_compile:
@@ -207,6 +208,13 @@ class Registry:
             loaded.load_seconds,
             ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in loaded.phases.items()),
         )
+
+    def _predictor(self, spec: ModelSpec, held: dict[int | str, int] | None) -> Predictor:
+        """The loaded model's predictor; a simulated one only where the models file says so."""
+        pad = self.settings.pad_to_multiple_of
+        if spec.simulated is not None:
+            return SimulatedPredictor(load_simulated(spec), pad)
+        return Predictor(load_model(spec, self.settings, held), pad)
 
     def in_order(self) -> list[ServedModel]:
         """The loaded models, in declaration order."""

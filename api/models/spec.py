@@ -61,14 +61,59 @@ class GgufSource(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Its pinned sha256.")
 
 
+class SimulatedDevice(BaseModel):
+    """A stand-in device: no weights, each batch answered after sleeping what it would cost."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seconds_per_batch: float = Field(ge=0, le=60, description="A batch's fixed cost.")
+    seconds_per_token: float = Field(
+        ge=0, le=1, description="What each token the batch computes (padding counted) adds."
+    )
+
+
+# What a simulated model cannot be given: it loads no weights, so none of these could apply.
+WEIGHT_FIELDS = (
+    "base",
+    "revision",
+    "task",
+    "prompt",
+    "label_words",
+    "chat_template",
+    "quantization",
+    "dtype",
+    "compute_dtype",
+    "trust_remote_code",
+    "weights_sha256",
+    "gguf",
+    "adapters",
+    "default_adapter",
+    "runtime_adapters",
+    "base_name",
+)
+
+
 class ModelSpec(BaseModel):
     """One base model with its adapters and how to load it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=NAME_PATTERN, description="Name clients select it by.")
-    base: str = Field(
-        description="Local folder, hub id (from the HF cache), or pkg:<module>/<sub-folder>."
+    base: str | None = Field(
+        None,
+        description="Local folder, hub id (from the HF cache), or pkg:<module>/<sub-folder>; "
+        "required unless simulated.",
+    )
+    simulated: SimulatedDevice | None = Field(
+        None,
+        description="Serve a stand-in for capacity planning and load tests: no weights, scores "
+        "from a keyed hash of the token ids, each batch after sleeping its cost. Only a "
+        "models file can declare one.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Simulated models: the folder (or pkg:<module>/<sub-folder>) whose "
+        "tokenizer they use; unset: the embedded model's base.",
     )
     revision: str | None = Field(None, description="Hub revision (commit) to pin.")
     task: Literal["text-classification", "causal-lm"] = Field(
@@ -129,6 +174,27 @@ class ModelSpec(BaseModel):
         description="The name adapters trained on this base give as base_model_name_or_path "
         "(its hub id); run-time adapters must name it, the base as declared, or its folder.",
     )
+
+    @model_validator(mode="after")
+    def _check_simulated(self) -> ModelSpec:
+        if self.simulated is None:
+            if self.base is None:
+                raise ValueError(f"model {self.name!r}: base is required (or simulated: {{...}})")
+            if self.tokenizer is not None:
+                raise ValueError(
+                    f"model {self.name!r}: tokenizer is for simulated models; a real model "
+                    "uses its base's"
+                )
+            return self
+        given = [name for name in WEIGHT_FIELDS if name in self.model_fields_set]
+        if given:
+            raise ValueError(
+                f"model {self.name!r} is simulated and loads no weights: "
+                f"{', '.join(given)} cannot apply"
+            )
+        if self.labels is None:
+            raise ValueError(f"model {self.name!r}: a simulated model needs its labels")
+        return self
 
     @model_validator(mode="after")
     def _check_adapters(self) -> ModelSpec:
@@ -240,6 +306,14 @@ def load_models_file(
         raise ModelsFileError(f"models file {path}: {reason}") from None
     root = path.resolve().parent
     specs = [_with_paths_resolved(spec, root) for spec in parsed.models]
+    if any(spec.simulated is not None and spec.tokenizer is None for spec in specs):
+        tokenizer = embedded_base()
+        specs = [
+            spec.model_copy(update={"tokenizer": tokenizer})
+            if spec.simulated is not None and spec.tokenizer is None
+            else spec
+            for spec in specs
+        ]
     return _apply_adapter_dirs(specs, dict(adapter_dirs or {}))
 
 
@@ -249,7 +323,22 @@ def _short(exc: ValidationError) -> str:
     )
 
 
+def embedded_base() -> str:
+    """The folder of the embedded models file's first base: where a simulated model's
+    tokenizer comes from unless it names another."""
+    first = ModelsFile.model_validate(
+        yaml.safe_load(EMBEDDED_MODELS_FILE.read_text(encoding="utf-8"))
+    ).models[0]
+    assert first.base is not None
+    return resolve_base(first.base, EMBEDDED_MODELS_FILE.parent)
+
+
 def _with_paths_resolved(spec: ModelSpec, root: Path) -> ModelSpec:
+    if spec.simulated is not None:
+        if spec.tokenizer is None:
+            return spec
+        return spec.model_copy(update={"tokenizer": resolve_base(spec.tokenizer, root)})
+    assert spec.base is not None
     adapters = [
         adapter.model_copy(update={"path": (root / adapter.path).resolve()})
         for adapter in spec.adapters

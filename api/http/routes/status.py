@@ -48,6 +48,7 @@ def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
     return ModelInfo(
         name=spec.name,
         base=spec.base,
+        simulated=spec.simulated,
         revision=loaded.revision,
         architecture=loaded.architecture,
         quantization=spec.quantization,
@@ -107,7 +108,7 @@ async def info(state: State) -> InfoResponse:
         name="loraserve",
         version=__version__,
         models=[spec.name for spec in state.registry.specs],
-        model_id=first.base,
+        model_id=first.base or first.name,
         model_sha=loaded.revision if loaded else None,
         model_dtype=loaded.dtype if loaded else None,
         model_type=None if loaded is None else {"classifier": classifier_type(loaded.labels)},

@@ -1,0 +1,440 @@
+"""The service's own work per request on the model path, at one text a request, with a device
+fast enough never to be the limit: what caps one process whatever the GPU can do.
+
+Run: `python -m bench.frontend` (or `make bench-frontend`); `--quick` is a smoke run of about
+half a minute that writes into bench/out/frontend-quick/ instead. It needs `wrk` and `py-spy`
+(the project's `bench` extra; `make bench-frontend` installs both). Writes
+bench/reports/frontend.{md,json}. In one run:
+
+- the real server process (`python -m api.cli`, default settings) with a models file holding
+  only a simulated model (`simulated:` in the models file: the embedded base's tokenizer, no
+  weights, each batch answered after sleeping 2 ms + 1 µs a token);
+- `/health` and fresh one-text `/predict` requests (texts never sent before, so no cache tier
+  answers: bench/wrk/fresh.lua) from 64 wrk connections, alternating for a few rounds: the
+  requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
+- CPU time per request of each of the server's threads (/proc/<pid>/task/*/stat, named
+  through `py-spy dump`), in the same runs;
+- a profile of one more /predict run by `py-spy record` (raw folded stacks, threads on a
+  CPU): each sample goes to the stage of its innermost frame that names one (see RULES), and
+  each thread's CPU time in that run (/proc) is shared out by its samples. Profiled, the
+  server runs slower; the shares, not that run's rate, are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from bench.throughput import (
+    CLOCK_TICKS,
+    FRESH_LUA,
+    REPORTS,
+    WORK,
+    load_average,
+    machine,
+    process_cpu_seconds,
+    sample_texts,
+    server,
+    write_literals,
+    wrk,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+HEALTH_LUA = REPO / "bench" / "wrk" / "health.lua"
+CLIENTS = 64
+SIMULATED = {"seconds_per_batch": 0.002, "seconds_per_token": 0.000001}
+# What the issue asks of one process: /predict at this share of /health's rate, p99 below.
+TARGET_RATIO = 0.6
+TARGET_P99_MS = 50.0
+PROFILE_RATE = 250  # samples a second per thread on a CPU
+# The bench extra installs py-spy beside this Python, which need not be on PATH.
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A frame whose file path holds `path` (and, when given, whose function is one of
+    `functions`) belongs to `stage`."""
+
+    stage: str
+    path: str
+    functions: tuple[str, ...] = ()
+
+    def matches(self, function: str, filename: str) -> bool:
+        if self.path not in filename:
+            return False
+        return not self.functions or function.rsplit(".", 1)[-1] in self.functions
+
+
+QUEUE = "queue, futures, device hand-off"
+ASGI = "ASGI layers (starlette, fastapi, middleware)"
+# A sample's stage is that of its innermost frame that one of these rules matches, trying
+# the rules in this order on each frame: a library's work goes to the stage of the code that
+# called it (json under a response, pydantic under the body's read), the service's own
+# frames to theirs, and what is left to the layer it runs in.
+RULES = (
+    Rule("tokenizing", "api/models/tokenizing.py"),
+    Rule("tokenizing", "api/models/predictor.py", ("encode", "_encode_prompted")),
+    Rule("predictor", "api/models/"),
+    Rule("predictor", "api/http/app.py", ("predict_batch",)),
+    Rule("cache lookup and store", "api/serving/cache/"),
+    Rule("admission", "api/serving/admission.py"),
+    Rule(QUEUE, "api/serving/batching.py", ("submit", "_run_rows", "_deliver", "_fail")),
+    Rule(QUEUE, "api/serving/batching.py", ("_retrieve",)),
+    Rule("batch assembly", "api/serving/batching.py"),
+    Rule("body parse and validation", "api/http/routes/common.py", ("read_body",)),
+    Rule("response", "starlette/responses.py"),
+    Rule("response", "fastapi/routing.py", ("serialize_response",)),
+    Rule("response", "api/http/routes/tei.py", ("rank",)),
+    Rule("response", "api/http/lifecycle.py", ("headers",)),
+    Rule("metrics", "prometheus_client/"),
+    Rule("metrics", "api/http/middleware/observe.py"),
+    Rule(ASGI, "api/http/middleware/"),
+    Rule("route and lifecycle", "api/http/"),
+    Rule("route and lifecycle", "api/serving/"),
+    Rule(QUEUE, "concurrent/futures/"),
+    Rule(QUEUE, "asyncio/futures.py"),
+    Rule(QUEUE, "asyncio/tasks.py", ("wait", "_wait", "_release_waiter", "_on_completion")),
+    Rule("body parse and validation", "pydantic"),
+    Rule("body parse and validation", "json/decoder.py"),
+    Rule("HTTP server (uvicorn)", "uvicorn/"),
+    Rule("HTTP server (uvicorn)", "h11/"),
+    Rule("HTTP server (uvicorn)", "httptools"),
+    Rule(ASGI, "starlette/"),
+    Rule(ASGI, "fastapi/"),
+    Rule(ASGI, "anyio/"),
+    # The loop's own work in C (uvloop: sockets, callbacks) shows as its Python caller.
+    Rule("event loop", "asyncio/"),
+    Rule("event loop", "uvloop"),
+)
+OTHER = "other"
+NATIVE = "native threads"
+STAGES = tuple(dict.fromkeys([rule.stage for rule in RULES] + [OTHER, NATIVE]))
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One wrk run against one route, and the server's CPU time in it."""
+
+    route: str
+    seconds: float
+    requests: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    statuses: dict[str, int]
+    socket_errors: int
+    server_cpu_us_per_request: float
+    thread_cpu_us_per_request: dict[str, float]
+
+
+# --- profile -------------------------------------------------------------------------------
+
+
+def split_frame(frame: str) -> tuple[str, str]:
+    """`function (path:line)` as py-spy writes it -> (function, path)."""
+    function, _, where = frame.partition(" (")
+    return function, where.rsplit(":", 1)[0]
+
+
+def stage_of(frames: list[str]) -> str:
+    """The stage of one stack (outermost frame first)."""
+    for frame in reversed(frames):
+        function, path = split_frame(frame)
+        for rule in RULES:
+            if rule.matches(function, path):
+                return rule.stage
+    return OTHER
+
+
+def fold(raw: str) -> dict[int, Counter[str]]:
+    """py-spy's raw output (`thread (tid): name;frame;...;frame count` a line) as samples per
+    stage, by native thread id."""
+    threads: dict[int, Counter[str]] = {}
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        thread, *frames = stack.split(";")
+        tid = int(thread.partition("(")[2].partition(")")[0])
+        threads.setdefault(tid, Counter())[stage_of(frames)] += int(count)
+    return threads
+
+
+def cpu_by_stage(samples: dict[int, Counter[str]], cpu: dict[int, float]) -> Counter[str]:
+    """Each thread's CPU seconds (`cpu`, from /proc) shared out by its samples' stages.
+
+    py-spy marks a thread on a CPU or not from its kernel state at the sample, which under
+    load also counts threads just woken or about to wait (the device thread in its sleep, an
+    executor's worker at its queue); /proc's count is exact per thread, so the samples only
+    split each thread's time. A thread without a sample (native, not Python) is NATIVE.
+    """
+    stages: Counter[str] = Counter()
+    for tid, seconds in cpu.items():
+        counts = samples.get(tid)
+        if not counts:
+            stages[NATIVE] += seconds
+            continue
+        total = sum(counts.values())
+        for stage, count in counts.items():
+            stages[stage] += seconds * count / total
+    return stages
+
+
+# --- threads -------------------------------------------------------------------------------
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Native thread id -> Python thread name, from `py-spy dump` (Python threads only)."""
+    dump = subprocess.run(
+        [PY_SPY, "dump", "--pid", str(pid), "--json"], capture_output=True, text=True
+    )
+    if dump.returncode != 0:
+        raise RuntimeError(f"py-spy dump failed: {dump.stderr.strip()}")
+    return {
+        int(thread["os_thread_id"]): str(thread["thread_name"] or "")
+        for thread in json.loads(dump.stdout)
+        if thread.get("os_thread_id")
+    }
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Per native thread: its command name and user + system CPU seconds."""
+    threads: dict[int, tuple[str, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        after = text.rsplit(")", 1)[1].split()
+        threads[int(task.name)] = (name, (int(after[11]) + int(after[12])) / CLOCK_TICKS)
+    return threads
+
+
+def per_thread_us(
+    before: dict[int, tuple[str, float]],
+    after: dict[int, tuple[str, float]],
+    names: dict[int, str],
+    requests: int,
+) -> dict[str, float]:
+    """CPU µs per request by thread (Python name where known, else the kernel's), summed
+    over threads of one name; threads that used none are left out."""
+    spent: Counter[str] = Counter()
+    for tid, (comm, seconds) in after.items():
+        used = seconds - before.get(tid, (comm, 0.0))[1]
+        if used > 0:
+            spent[names.get(tid) or f"{comm} (native)"] += used
+    return {
+        name: round(1e6 * seconds / max(requests, 1), 1) for name, seconds in spent.most_common()
+    }
+
+
+# --- load ----------------------------------------------------------------------------------
+
+
+def load_point(
+    route: str, url: str, pid: int, seconds: float, script: Path, env: dict[str, str]
+) -> LoadPoint:
+    """One wrk run of `CLIENTS` connections, with the server's CPU by thread around it."""
+    names = thread_names(pid)
+    threads_before, cpu_before = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    summary = wrk(url, CLIENTS, seconds, script, env)
+    threads_after, cpu_after = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    requests, duration = summary["requests"], summary["duration_us"] / 1e6
+    latency = summary["latency_us"]
+    return LoadPoint(
+        route=route,
+        seconds=round(duration, 2),
+        requests=requests,
+        requests_per_s=round(requests / duration, 1),
+        p50_ms=round(latency["p50"] / 1000, 2),
+        p99_ms=round(latency["p99"] / 1000, 2),
+        statuses={str(k): int(v) for k, v in summary["statuses"].items()},
+        socket_errors=sum(summary["socket_errors"].values()),
+        server_cpu_us_per_request=round(1e6 * (cpu_after - cpu_before) / max(requests, 1), 1),
+        thread_cpu_us_per_request=per_thread_us(threads_before, threads_after, names, requests),
+    )
+
+
+def fresh_env(texts: Path) -> dict[str, str]:
+    """fresh.lua's settings: one text a request, prefixed so that no run repeats one."""
+    return {"TEXTS": str(texts), "TEXTS_PER": "1", "RUN": uuid.uuid4().hex[:8]}
+
+
+def profile(url: str, pid: int, seconds: float, texts: Path, out: Path) -> dict[str, Any]:
+    """A /predict run under `py-spy record`; the server's CPU by stage and by thread."""
+    raw_path = out / "frontend-profile.txt"
+    command = [PY_SPY, "record", "--pid", str(pid), "--duration", str(round(seconds) + 1)]
+    command += ["--rate", str(PROFILE_RATE), "--format", "raw", "--threads"]
+    command += ["--full-filenames", "--nonblocking", "--output", str(raw_path)]
+    recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(0.5)  # attached before the load starts
+    names = thread_names(pid)
+    before = thread_cpu_seconds(pid)
+    summary = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
+    after = thread_cpu_seconds(pid)
+    _, errors = recorder.communicate(timeout=seconds + 60)
+    if recorder.returncode != 0 or not raw_path.exists():
+        raise RuntimeError(f"py-spy record failed ({recorder.returncode}): {errors.decode()}")
+    samples = fold(raw_path.read_text(encoding="utf-8"))
+    cpu = {tid: seconds - before.get(tid, ("", 0.0))[1] for tid, (_, seconds) in after.items()}
+    stages = cpu_by_stage(samples, {tid: used for tid, used in cpu.items() if used > 0})
+    requests = summary["requests"]
+    total = sum(stages.values()) or 1.0
+    return {
+        "requests": requests,
+        "requests_per_s": round(requests / (summary["duration_us"] / 1e6), 1),
+        "samples": sum(sum(counts.values()) for counts in samples.values()),
+        "server_cpu_us_per_request": round(1e6 * total / max(requests, 1), 1),
+        "stages": {
+            stage: {
+                "share": round(stages[stage] / total, 4),
+                "cpu_us_per_request": round(1e6 * stages[stage] / max(requests, 1), 1),
+            }
+            for stage in STAGES
+            if stages[stage]
+        },
+        "thread_samples": {
+            names.get(tid, str(tid)): sum(counts.values()) for tid, counts in samples.items()
+        },
+    }
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+def write_models_file(folder: Path) -> Path:
+    path = folder / "frontend-models.yaml"
+    model = {"name": "sim", "simulated": SIMULATED, "labels": ["ham", "spam"], "max_length": 128}
+    path.write_text(json.dumps({"models": [model]}, indent=2), encoding="utf-8")
+    return path
+
+
+def run(seconds: float, rounds: int, profile_seconds: float, out: Path) -> dict[str, Any]:
+    for tool in ("wrk", PY_SPY):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is not installed: `make bench-frontend` installs it")
+    out.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    texts = write_literals(sample_texts(2000), out / "frontend-texts.txt")
+    env = {"MODELS_FILE": str(write_models_file(out))}
+    load_at_start = load_average()
+    health: list[LoadPoint] = []
+    predict: list[LoadPoint] = []
+    with server("frontend", env, threads=1) as target:
+        url, pid = target.url, target.pid
+        wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-up
+        wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
+        for _ in range(rounds):  # alternating: a drift of the machine hits both alike
+            health.append(load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {}))
+            predict.append(load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts)))
+        profiled = profile(url, pid, profile_seconds, texts, out)
+    ratios = [p.requests_per_s / h.requests_per_s for h, p in zip(health, predict, strict=True)]
+    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {**machine(), "py_spy": version("py-spy")},
+        "load_average_at_start": load_at_start,
+        "clients": CLIENTS,
+        "seconds_per_run": seconds,
+        "simulated": SIMULATED,
+        "ratio": round(statistics.median(ratios), 3),
+        "ratios": [round(ratio, 3) for ratio in ratios],
+        "median_round": {"health": asdict(health[median]), "predict": asdict(predict[median])},
+        "health": [asdict(point) for point in health],
+        "predict": [asdict(point) for point in predict],
+        "profile": profiled,
+        "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    """The Markdown report of one run."""
+    m, h, p = result["machine"], result["median_round"]["health"], result["median_round"]["predict"]
+    prof = result["profile"]
+    lines = [
+        "# Front end: one text a request on a simulated device",
+        "",
+        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
+        f"{m['python']}; {m['client']}; py-spy {m['py_spy']}; load average at start "
+        f"{result['load_average_at_start']}. Written by `make bench-frontend` (bench/frontend.py).",
+        "",
+        f"The real server with one simulated model ({result['simulated']['seconds_per_batch']} s "
+        f"a batch + {result['simulated']['seconds_per_token']} s a token, never the limit), "
+        f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health "
+        "and /predict alternating; /predict sends one text never sent before a request.",
+        "",
+        "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request |",
+        "|---|---|---|---|---|---|",
+    ]
+    for point in (h, p):
+        lines.append(
+            f"| {point['route']} | {point['requests_per_s']:,.0f} | {point['p50_ms']} | "
+            f"{point['p99_ms']} | {point['statuses']} | {point['server_cpu_us_per_request']} |"
+        )
+    target = result["targets"]
+    lines += [
+        "",
+        f"/predict at **{result['ratio']}** of /health's rate (median of the rounds "
+        f"{result['ratios']}; target ≥ {target['ratio']}), p99 {p['p99_ms']} ms (target < "
+        f"{target['p99_ms']} ms).",
+        "",
+        "## CPU per /predict request by stage",
+        "",
+        f"py-spy, {prof['samples']} samples over a profiled run ({prof['requests_per_s']:,.0f} "
+        f"req/s while profiled; {prof['server_cpu_us_per_request']} µs of server CPU a "
+        "request): each thread's CPU time from /proc, shared out by its samples' stages.",
+        "",
+        "| stage | share | CPU µs/request |",
+        "|---|---|---|",
+    ]
+    for stage, values in sorted(prof["stages"].items(), key=lambda item: -item[1]["share"]):
+        lines.append(f"| {stage} | {values['share']:.1%} | {values['cpu_us_per_request']} |")
+    lines += [
+        "",
+        "## CPU per request by thread (/proc, the median round)",
+        "",
+        "| thread | /health µs | /predict µs |",
+        "|---|---|---|",
+    ]
+    names = dict.fromkeys([*p["thread_cpu_us_per_request"], *h["thread_cpu_us_per_request"]])
+    for name in names:
+        lines.append(
+            f"| {name} | {h['thread_cpu_us_per_request'].get(name, 0.0)} | "
+            f"{p['thread_cpu_us_per_request'].get(name, 0.0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, one round")
+    parser.add_argument("--seconds", type=float, help="seconds a run (default 10)")
+    parser.add_argument("--rounds", type=int, help="/health + /predict rounds (default 3)")
+    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
+    args = parser.parse_args()
+    quick = args.quick
+    seconds = args.seconds or (2.0 if quick else 10.0)
+    rounds = args.rounds or (1 if quick else 3)
+    out = args.out or (REPO / "bench" / "out" / "frontend-quick" if quick else REPORTS)
+    result = run(seconds, rounds, seconds, out)
+    (out / "frontend.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / "frontend.md").write_text(report(result), encoding="utf-8")
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
