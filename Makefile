@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test test-stack lint bench bench-load bench-speed bench-throughput bench-cascade bench-adapters train train-llm clean
+.PHONY: serve test test-stack lint bench bench-load bench-speed bench-throughput bench-score bench-cascade bench-adapters train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,7 +70,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-cascade bench-scale bench-adapters
+bench: bench-load bench-speed bench-throughput bench-score bench-cascade bench-scale bench-adapters
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -83,6 +83,10 @@ bench-speed: $(BENCH_INSTALLED)
 ## bench-throughput: the served model under 1-64 clients vs. a naive server and the raw model
 bench-throughput: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.throughput
+
+## bench-score: `loraserve score` in process vs. the served throughput of the same model
+bench-score: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.score
 
 ## bench-cascade: the cascade vs. each of its models, as served: held-out quality, throughput
 bench-cascade: $(BENCH_INSTALLED)

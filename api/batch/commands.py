@@ -15,6 +15,8 @@ from itertools import islice
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
+
 from api.batch.evaluation import Judged, disagreements, evaluate
 from api.batch.local import StartFailed, local_service
 from api.batch.output import OutputError, Writer, header, open_output
@@ -154,6 +156,8 @@ def run_command(args: argparse.Namespace) -> int:
         return fail(str(exc))
     except Refused as exc:
         return fail(f"{exc.code}: {exc.message}")
+    except httpx.HTTPError as exc:  # --url: no server there, or the connection broke
+        return fail(f"{args.url}: {type(exc).__name__}: {exc}")
 
 
 def service(args: argparse.Namespace) -> AbstractAsyncContextManager[Source]:

@@ -35,6 +35,7 @@ class RemoteSource:
     def __init__(self, client: httpx.AsyncClient, use_cache: bool = True) -> None:
         self.client = client
         self.use_cache = use_cache
+        self.max_texts: int | None = None  # the server's MAX_TEXTS_PER_REQUEST, once asked
 
     async def describe(self, target: Target) -> Servable:
         models = {m["name"]: m for m in (await self._get("/models"))["models"]}
@@ -64,6 +65,15 @@ class RemoteSource:
         )
 
     async def score(self, target: Target, texts: list[str], truncate: bool) -> list[Outcome]:
+        if self.max_texts is None:
+            self.max_texts = int((await self._get("/info"))["max_texts_per_request"])
+        step = self.max_texts
+        if len(texts) > step:  # a --batch-size over the server's limit: requests it takes
+            return [
+                outcome
+                for start in range(0, len(texts), step)
+                for outcome in await self.score(target, texts[start : start + step], truncate)
+            ]
         body: dict[str, Any] = {"inputs": texts, "truncate": truncate, "cache": self.use_cache}
         if target.cascade:
             body["model"] = CASCADE_NAME
