@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from bench.throughput import (
     CACHE_OFF,
     REPO,
     REPORTS,
-    machine,
+    run_meta,
     run_wrk,
     sample_texts,
     server,
@@ -221,16 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(Round(first, round(rate, 1), round(own, 1), round(wall, 1)))
             print(f"round {index + 1}: served {rate:.1f}, score {own:.1f} texts/s", flush=True)
     ratio = statistics.median(r.ratio for r in rounds)
-    given = sys.argv[1:] if argv is None else argv
-    meta = {
-        "command": " ".join(["python -m bench.score", *given]),
-        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "machine": machine(),
-        "load_average": load,
-        "model": model_name(),
-        "config": {**asdict(config), "out": shown(config.out)},
-        "run_seconds": round(time.monotonic() - started),
-    }
+    meta = run_meta("bench.score", argv, load, model_name(), config, started)
     data = {
         "meta": meta,
         "rounds": [{**asdict(r), "ratio": round(r.ratio, 3)} for r in rounds],
