@@ -31,8 +31,12 @@ class StartFailed(RuntimeError):
 async def local_service(
     settings: Settings, specs: list[ModelSpec], use_cache: bool = True
 ) -> AsyncIterator[LocalSource]:
-    """The models loaded and warmed as the server does it, until the block ends."""
-    app = create_app(settings, specs)
+    """The models loaded and warmed as the server does it, until the block ends.
+
+    Admission by time is off: it keeps a live client's wait under the latency target by
+    refusing what would queue too long, and here the only client is the file, whose next
+    chunk queueing behind the running one is what keeps the device busy."""
+    app = create_app(settings.model_copy(update={"admission_control": False}), specs)
     state: ServiceState = app.state.service
     async with app.router.lifespan_context(app):
         while state.phase is Phase.LOADING:
