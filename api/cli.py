@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -136,8 +137,30 @@ def build_server(settings: Settings, log_config: dict[str, Any] | None = None) -
     return server
 
 
-def main() -> int:
-    """Entry point of the console script."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script: no arguments (or `serve`) serves; `score` and
+    `evaluate` score a file (api.batch)."""
+    arguments = sys.argv[1:] if argv is None else argv
+    if not arguments:
+        return serve()
+    from api.batch.commands import add_commands, run_command
+
+    parser = argparse.ArgumentParser(
+        prog="loraserve",
+        description="Serve LoRA text classifiers (no command: serve, as `serve`), or score "
+        "and evaluate files with them.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser("serve", help="serve the models over HTTP (the default)")
+    add_commands(commands)
+    args = parser.parse_args(arguments)
+    if args.command in (None, "serve"):
+        return serve()
+    return run_command(args)
+
+
+def serve() -> int:
+    """Serves the models file's models until stopped; the exit status says how it ended."""
     try:
         settings = load_settings()
     except SettingsError as exc:

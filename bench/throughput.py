@@ -1141,6 +1141,28 @@ def parse_args(argv: list[str] | None) -> Config:
     )
 
 
+def run_meta(
+    module: str,
+    argv: list[str] | None,
+    load: dict[str, float],
+    model: str,
+    config: Any,
+    started: float,
+) -> dict[str, Any]:
+    """What a report says of its run: command, date, machine, load, model, configuration
+    (a dataclass with an `out` folder) and how long it took."""
+    given = sys.argv[1:] if argv is None else argv
+    return {
+        "command": " ".join([f"python -m {module}", *given]),
+        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "machine": machine(),
+        "load_average": load,
+        "model": model,
+        "config": {**asdict(config), "out": shown(config.out)},
+        "run_seconds": round(time.monotonic() - started),
+    }
+
+
 def shown(path: Path) -> str:
     """A path as the report shows it: relative to the repository when inside it."""
     resolved = path.resolve()
@@ -1185,16 +1207,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = overload(config, literals)
 
     found = targets(points, raw, rounds, hit, loads)
-    given = sys.argv[1:] if argv is None else argv
-    meta = {
-        "command": " ".join(["python -m bench.throughput", *given]),
-        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "machine": machine(),
-        "load_average": load,
-        "model": model_name(),
-        "config": {**asdict(config), "out": shown(config.out)},
-        "run_seconds": round(time.monotonic() - started),
-    }
+    meta = run_meta("bench.throughput", argv, load, model_name(), config, started)
     text = markdown(points, raw, rounds, hit, found, meta, long, loads)
     data = {
         "meta": meta,

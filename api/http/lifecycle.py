@@ -20,6 +20,7 @@ from api.http.errors import (
     NonFiniteAnswer,
     NotFound,
     Overloaded,
+    ServiceError,
     Unavailable,
 )
 from api.http.state import RETRY_AFTER_LOADING_SECONDS, ServiceState
@@ -33,6 +34,7 @@ from api.serving.cache import ResultCache
 from api.serving.cache.tiers import DEFAULT_TIER_NAMES
 from api.serving.cascade import CASCADE_NAME, Cascade
 from api.serving.classify import Classified, ModelRunner
+from api.settings import Settings
 
 RETRY_SOON = {"Retry-After": "1"}
 TIMEOUT_HEADER = "X-Request-Timeout"
@@ -170,20 +172,30 @@ async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
     """Runs the work; the batcher's and tokenizer's refusals become HTTP errors."""
     try:
         return await until_disconnect(request, work)
-    except UnservableText as exc:
-        raise InvalidInput(str(exc)) from None
-    except NonFiniteScores as exc:
-        raise NonFiniteAnswer(str(exc)) from None
-    except QueueFull as exc:
-        raise Overloaded(f"model is busy: {exc}", RETRY_SOON) from None
-    except NotAdmitted as exc:
-        raise Overloaded(f"model is busy: {exc}", {"Retry-After": str(exc.retry_after)}) from None
-    except BatchDeadline as exc:
-        raise DeadlineExceeded(str(exc)) from None
-    except BatchFailed as exc:
-        raise InferenceFailed(f"inference failed: {exc}", RETRY_SOON) from None
-    except UnknownName as exc:  # an adapter unloaded between the route's check and its batch
-        raise NotFound(str(exc)) from None
+    except Exception as exc:
+        error = service_error(exc)
+        if error is None:
+            raise
+        raise error from None
+
+
+def service_error(exc: Exception) -> ServiceError | None:
+    """The error a client gets for a refusal of the batcher or tokenizer; None for others."""
+    if isinstance(exc, UnservableText):
+        return InvalidInput(str(exc))
+    if isinstance(exc, NonFiniteScores):
+        return NonFiniteAnswer(str(exc))
+    if isinstance(exc, QueueFull):
+        return Overloaded(f"model is busy: {exc}", RETRY_SOON)
+    if isinstance(exc, NotAdmitted):
+        return Overloaded(f"model is busy: {exc}", {"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, BatchDeadline):
+        return DeadlineExceeded(str(exc))
+    if isinstance(exc, BatchFailed):
+        return InferenceFailed(f"inference failed: {exc}", RETRY_SOON)
+    if isinstance(exc, UnknownName):  # an adapter unloaded between the route's check and its batch
+        return NotFound(str(exc))
+    return None
 
 
 async def hold_refusal(delay: float, deadline: float) -> None:
@@ -249,6 +261,11 @@ def check_limits(texts: list[str], state: ServiceState) -> None:
         raise InvalidInput(
             f"{len(texts)} texts in one request; at most {settings.max_texts_per_request}"
         )
+    check_lengths(texts, settings)
+
+
+def check_lengths(texts: list[str], settings: Settings) -> None:
+    """The length limit of each text, in characters, checked before any tokenizing."""
     for index, text in enumerate(texts):
         if len(text) > settings.max_text_chars:
             raise InvalidInput(

@@ -1,0 +1,1 @@
+"""Files scored in bulk: `loraserve score` and `loraserve evaluate`."""

@@ -1,0 +1,289 @@
+"""`loraserve score` and `loraserve evaluate`: their arguments, and each run from file to
+output. api.cli dispatches here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from itertools import islice
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from api.batch.evaluation import Judged, disagreements, evaluate
+from api.batch.local import StartFailed, local_service
+from api.batch.output import OutputError, Writer, header, open_output
+from api.batch.progress import Progress
+from api.batch.remote import remote_service
+from api.batch.report import can_plot, draw_plots, markdown, terminal_table
+from api.batch.rows import Columns, Format, InputError, Row, count_rows, read_rows
+from api.batch.run import Run, Tally, score_file
+from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
+from api.models.spec import ModelsFileError, load_models_file
+from api.serving.cascade import CascadeError
+from api.settings import SettingsError, load_settings
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a command stopped by Ctrl-C
+
+
+class UsageError(ValueError):
+    """Arguments that do not go together."""
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The `score` and `evaluate` subcommands with their arguments."""
+    score = commands.add_parser(
+        "score",
+        help="score a JSONL, CSV or TSV file into JSONL",
+        description="Scores every row of FILE with the models file's models (in process, or "
+        "against a running server with --url) and writes one JSON line per row, in input "
+        "order, after a header line that names the model, adapter and answer identity.",
+    )
+    _common(score)
+    score.add_argument("--adapter", help="the adapter (default: the model's default)")
+    score.add_argument("-o", "--output", type=Path, help="output JSONL (default: stdout)")
+    score.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the rows --output does not hold yet (an interrupted run)",
+    )
+    score.set_defaults(run=run_score)
+
+    judge = commands.add_parser(
+        "evaluate",
+        help="score a labelled file and report metrics per adapter, side by side",
+        description="Scores FILE with the model's default adapter and each --adapter (or "
+        "the cascade), then reports accuracy, per-label precision/recall/F1, the negative "
+        "label's false-positive rate, the confusion matrix, the metrics at the decision "
+        "threshold and at the threshold of least cost, and the rows where they disagree.",
+    )
+    _common(judge)
+    judge.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        help="an adapter to put beside the model's default (repeat for more)",
+    )
+    judge.add_argument("--label-column", default="label", help="column of the expected label")
+    judge.add_argument(
+        "--label-map",
+        default="",
+        help="file labels to the model's, e.g. 0=ham,1=spam or ads=ham,gov=ham",
+    )
+    judge.add_argument("--cost-fp", type=float, default=1.0, help="cost of a false positive")
+    judge.add_argument("--cost-fn", type=float, default=1.0, help="cost of a false negative")
+    judge.add_argument("--json", type=Path, help="write the metrics as JSON to this file")
+    judge.add_argument(
+        "--report",
+        type=Path,
+        help="folder for report.md, plots (with matplotlib) and each servable's scored rows",
+    )
+    judge.set_defaults(run=run_evaluate)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, metavar="FILE", help="input .jsonl, .csv or .tsv")
+    parser.add_argument(
+        "--format", choices=["jsonl", "csv", "tsv"], help="input format (default: from suffix)"
+    )
+    parser.add_argument(
+        "--text-column", default="text", help="column of the text (JSONL: also 'inputs')"
+    )
+    parser.add_argument(
+        "--id-column", default="id", help="column copied to the output as the row's id"
+    )
+    parser.add_argument(
+        "--columns", help="column names of a CSV/TSV without a header row, e.g. label,text"
+    )
+    parser.add_argument("--model", help="the model (default: the models file's first)")
+    parser.add_argument("--cascade", action="store_true", help="the cascade answers")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="texts per request to the batcher (32)"
+    )
+    parser.add_argument(
+        "--truncate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cut texts to the model's length; --no-truncate writes longer ones as errors",
+    )
+    parser.add_argument(
+        "--cache", action=argparse.BooleanOptionalAction, default=True, help="use the caches"
+    )
+    parser.add_argument(
+        "--url", help="score against the server at this URL (API key: API_KEY in the env)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def columns_of(args: argparse.Namespace, label: str | None = None) -> Columns:
+    names = [n.strip() for n in args.columns.split(",")] if args.columns else None
+    return Columns(text=args.text_column, id=args.id_column, label=label, names=names)
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> int:
+    print(f"loraserve: {message}", file=sys.stderr)
+    return code
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs `score` or `evaluate`; the exit status, with what went wrong on stderr."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.batch_size < 1:
+        return fail("--batch-size must be at least 1", EXIT_USAGE)
+    if args.cascade and (args.model or args.adapter):
+        return fail("--cascade uses each model's default adapter: no --model or --adapter")
+    try:
+        status: int = asyncio.run(args.run(args))
+        return status
+    except KeyboardInterrupt:
+        print(
+            "\nloraserve: interrupted; every line written is whole: --resume continues",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    except (SettingsError, ModelsFileError, CascadeError, UsageError, InputError) as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except (OutputError, StartFailed, ScoringFailed) as exc:
+        return fail(str(exc))
+    except Refused as exc:
+        return fail(f"{exc.code}: {exc.message}")
+    except httpx.HTTPError as exc:  # --url: no server there, or the connection broke
+        return fail(f"{args.url}: {type(exc).__name__}: {exc}")
+
+
+def service(args: argparse.Namespace) -> AbstractAsyncContextManager[Source]:
+    """The models in this process, or a client of the server at --url."""
+    if args.url:
+        return remote_service(args.url, os.environ.get("API_KEY"), args.cache)
+    return _local(args.cache)
+
+
+@asynccontextmanager
+async def _local(use_cache: bool) -> AsyncIterator[Source]:
+    from api.cli import quiet_libraries
+    from api.models.tokenizing import keep_tokenizers_serial
+
+    settings = load_settings()
+    quiet_libraries()
+    keep_tokenizers_serial()
+    async with local_service(
+        settings, load_models_file(settings.models_file, settings.adapter_dirs), use_cache
+    ) as source:
+        yield source
+
+
+def summary(tally: Tally, done_before: int) -> str:
+    refused = ", ".join(f"{code}: {n}" for code, n in sorted(tally.errors.items()))
+    resumed = f" ({done_before} already in the output)" if done_before else ""
+    return (
+        f"scored {tally.scored} rows, {tally.refused} written with an error"
+        f"{f' ({refused})' if refused else ''}{resumed}"
+    )
+
+
+async def run_score(args: argparse.Namespace) -> int:
+    columns = columns_of(args)
+    fmt: Format | None = args.format
+    total = count_rows(args.file, columns, fmt)
+    if args.resume and args.output is None:
+        raise UsageError("--resume needs --output: it continues that file")
+    target = Target(args.model, args.adapter, args.cascade)
+    async with service(args) as source:
+        wanted = header(await source.describe(target), args.truncate)
+        if args.output is None:
+            stream: IO[str] = sys.stdout
+            Writer(stream).write([{"header": wanted}])
+            done = 0
+        else:
+            stream, done = open_output(args.output, args.resume, wanted)
+        try:
+            progress = None if args.quiet else Progress(total, done)
+            rows = islice(read_rows(args.file, columns, fmt), done, None)
+            run = Run(source, target, args.truncate, args.batch_size)
+            tally = await score_file(run, rows, Writer(stream), progress)
+            if progress is not None:
+                progress.finish()
+        finally:
+            if stream is not sys.stdout:
+                stream.close()
+    print(f"loraserve: {summary(tally, done)}", file=sys.stderr)
+    return 0
+
+
+def label_map(text: str) -> dict[str, str]:
+    """`a=b,c=d` as {a: b, c: d}."""
+    pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise UsageError(f"--label-map {text!r}: expected file=model pairs, e.g. 0=ham,1=spam")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+async def run_evaluate(args: argparse.Namespace) -> int:
+    columns = columns_of(args, args.label_column)
+    fmt: Format | None = args.format
+    mapping = label_map(args.label_map)
+    total = count_rows(args.file, columns, fmt)
+    if args.report is not None:
+        args.report.mkdir(parents=True, exist_ok=True)
+
+    def expected(row: Row) -> str | None:
+        return None if row.label is None else mapping.get(row.label, row.label)
+
+    targets = [Target(args.model), *(Target(args.model, a) for a in args.adapter)]
+    if args.cascade:
+        targets = [Target(), Target(cascade=True)]
+    judged_by: dict[str, list[Judged]] = {}
+    reports = []
+    async with service(args) as source:
+        for target in targets:
+            servable = await source.describe(target)
+            if servable.column in judged_by:
+                continue  # the default named again
+            kept: list[tuple[Row, Outcome | None]] = []
+            scored = None
+            if args.report is not None:
+                scored = (args.report / f"scores-{len(judged_by)}.jsonl").open(
+                    "w", encoding="utf-8"
+                )
+            try:
+                writer = Writer(scored) if scored is not None else None
+                if writer is not None:
+                    writer.write([{"header": header(servable, args.truncate)}])
+                progress = None if args.quiet else Progress(total)
+                run = Run(source, target, args.truncate, args.batch_size)
+                rows = read_rows(args.file, columns, fmt)
+                await score_file(run, rows, writer, progress, expected, kept)
+                if progress is not None:
+                    progress.finish()
+            finally:
+                if scored is not None:
+                    scored.close()
+            judged = [Judged(r.index, r.id, expected(r), o) for r, o in kept]
+            judged_by[servable.column] = judged
+            reports.append(evaluate(servable, judged, args.cost_fp, args.cost_fn))
+            labels = servable.labels
+    disagreeing = disagreements(judged_by) if len(judged_by) > 1 else []
+    print(terminal_table(reports, len(disagreeing)))
+    result: dict[str, Any] = {
+        "input": str(args.file),
+        "servables": reports,
+        "disagreements": disagreeing,
+    }
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", "utf-8")
+    if args.report is not None:
+        plots = draw_plots(args.report, judged_by, labels)
+        text = markdown(reports, disagreeing, args.file.name, plots)
+        (args.report / "report.md").write_text(text, encoding="utf-8")
+        if not can_plot():
+            print("loraserve: no plots: matplotlib is not installed", file=sys.stderr)
+    return 0

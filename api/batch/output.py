@@ -1,0 +1,127 @@
+"""The output JSONL: a header line saying what scored the file, then one line per input
+row, in input order. Lines are written whole and flushed per chunk, so an interrupted run
+leaves at most one cut line at the end, which --resume drops and scores again."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from api import __version__
+from api.batch.rows import Row
+from api.batch.scoring import Outcome, Servable
+
+HEADER_KEY = "header"
+# What must match for --resume to add to an output: the same answers to the same texts.
+RESUME_KEYS = ("model", "adapter", "labels", "identities", "truncate")
+
+
+class OutputError(ValueError):
+    """An output that --resume cannot continue."""
+
+
+def header(servable: Servable, truncate: bool) -> dict[str, Any]:
+    """The header line's content: the servable, its answer identities, truncation."""
+    return {**asdict(servable), "truncate": truncate, "version": __version__}
+
+
+def row_line(row: Row, outcome: Outcome | None, expected: str | None = None) -> dict[str, Any]:
+    """One row's line: row number, id (if the row has one), then the label and scores as
+    /predict gives them (and which model gave them), or the error that kept it unscored."""
+    line: dict[str, Any] = {"row": row.index}
+    if row.id is not None:
+        line["id"] = row.id
+    if expected is not None:
+        line["expected"] = expected
+    if outcome is None:
+        line["error"] = {"code": "invalid_input", "message": row.error or "no text"}
+    elif outcome.error is not None:
+        line["error"] = outcome.error
+    else:
+        assert outcome.ranked is not None
+        line["label"] = outcome.ranked[0]["label"]
+        line["scores"] = outcome.ranked
+        line["answered_by"] = outcome.answered_by
+    return line
+
+
+@dataclass
+class Done:
+    """What an output already holds: its header and how many rows (the first ones)."""
+
+    header: dict[str, Any] | None
+    rows: int
+    valid_bytes: int
+
+
+def read_done(path: Path) -> Done:
+    """The header and the whole row lines in order at the start of `path`; a cut or
+    unreadable line and all after it do not count."""
+    if not path.exists():
+        return Done(None, 0, 0)
+    found: dict[str, Any] | None = None
+    rows = valid = 0
+    with path.open("rb") as lines:
+        for raw in lines:
+            if not raw.endswith(b"\n"):
+                break  # cut by an interruption mid-write
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                break
+            if found is None:
+                if not isinstance(line, dict) or HEADER_KEY not in line:
+                    raise OutputError(f"{path}: its first line is no header of loraserve score")
+                found = line[HEADER_KEY]
+            elif isinstance(line, dict) and line.get("row") == rows:
+                rows += 1
+            else:
+                break
+            valid += len(raw)
+    return Done(found, rows, valid)
+
+
+def check_resumable(path: Path, done: Done, wanted: dict[str, Any]) -> None:
+    """Refuses to add to an output that other answers (model, adapter, identity, labels,
+    truncation) began."""
+    if done.header is None:
+        return
+    differing = [key for key in RESUME_KEYS if done.header.get(key) != wanted.get(key)]
+    if differing:
+        raise OutputError(
+            f"{path} was scored with other {', '.join(differing)} "
+            f"({', '.join(f'{k}={done.header.get(k)!r}' for k in differing)}); "
+            "score into a new file, or drop --resume to overwrite it"
+        )
+
+
+class Writer:
+    """Writes whole lines and flushes after each chunk."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, lines: list[dict[str, Any]]) -> None:
+        if not lines:
+            return
+        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def open_output(path: Path, resume: bool, wanted: dict[str, Any]) -> tuple[IO[str], int]:
+    """The output file ready for appending, and how many rows it holds already (0 unless
+    resuming). Resuming cuts what follows the last whole row line."""
+    if not resume:
+        stream = path.open("w", encoding="utf-8")
+        Writer(stream).write([{HEADER_KEY: wanted}])
+        return stream, 0
+    done = read_done(path)
+    check_resumable(path, done, wanted)
+    if done.header is None:
+        return open_output(path, False, wanted)
+    with path.open("r+b") as handle:
+        handle.truncate(done.valid_bytes)
+    return path.open("a", encoding="utf-8"), done.rows

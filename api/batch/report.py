@@ -1,0 +1,174 @@
+"""evaluate's reports: a table for the terminal, markdown for people (with plots where
+matplotlib is installed), JSON for machines."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from api.batch.evaluation import Judged, precision_recall_curve
+
+Report = dict[str, Any]
+DISAGREEMENTS_SHOWN = 20
+HISTOGRAM_BINS = 20
+
+
+def pct(value: float) -> str:
+    return f"{100 * value:.2f} %"
+
+
+def metric_rows(reports: Sequence[Report]) -> list[tuple[str, list[str]]]:
+    """(metric, value per servable) in reading order."""
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(name: str, values: list[str]) -> None:
+        rows.append((name, values))
+
+    for key in ("rows", "scored", "errors", "unlabelled"):
+        add(key, [str(r[key]) for r in reports])
+    add("accuracy", [pct(r["accuracy"]) for r in reports])
+    for label in reports[0]["per_label"]:
+        for key in ("precision", "recall", "f1"):
+            add(f"{label} {key}", [f"{r['per_label'][label][key]:.4f}" for r in reports])
+    negative = reports[0]["negative_label"]
+    add(
+        f"{negative} false-positive rate", [pct(r["negative_false_positive_rate"]) for r in reports]
+    )
+    for expected in reports[0]["confusion"]:
+        for predicted in reports[0]["confusion"][expected]:
+            add(
+                f"{expected} → {predicted}",
+                [str(r["confusion"][expected][predicted]) for r in reports],
+            )
+    if all("thresholds" in r for r in reports):
+        for name, key in (("decision threshold", "decision"), ("least cost", "least_cost")):
+            add(
+                f"{name}: served / model",
+                [
+                    f"{r['thresholds'][key]['served_threshold']:g} / "
+                    f"{r['thresholds'][key]['model_threshold']:g}"
+                    for r in reports
+                ],
+            )
+            for metric in ("accuracy", "precision", "recall", "false_positive_rate"):
+                add(f"  {metric}", [pct(r["thresholds"][key][metric]) for r in reports])
+            add("  cost", [f"{r['thresholds'][key]['cost']:g}" for r in reports])
+    return rows
+
+
+def terminal_table(reports: Sequence[Report], disagreeing: int) -> str:
+    """The metrics side by side, one column per servable, in plain text."""
+    header = ["", *(r["servable"] for r in reports)]
+    body = [[name, *values] for name, values in metric_rows(reports)]
+    if len(reports) > 1:
+        body.append(["rows where they disagree", str(disagreeing), *[""] * (len(reports) - 1)])
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in [header, *body]
+    )
+
+
+def markdown(
+    reports: Sequence[Report],
+    disagreeing: Sequence[dict[str, Any]],
+    source: str,
+    plots: Sequence[str],
+) -> str:
+    """The markdown report: the table, what the thresholds mean, disagreements, plots."""
+    names = [r["servable"] for r in reports]
+    lines = [
+        f"# Evaluation of {', '.join(names)}",
+        "",
+        f"Input: `{source}`.",
+        "",
+        "| Metric | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    lines += [f"| {name} | " + " | ".join(values) + " |" for name, values in metric_rows(reports)]
+    first = reports[0]
+    if "thresholds" in first:
+        t = first["thresholds"]
+        lines += [
+            "",
+            f"A text is `{t['positive_label']}` when its served score for that label is above "
+            "the served threshold; the served scores are centred on the model's "
+            "`decision_threshold`, so 0.5 served is that threshold. The model threshold is "
+            "the same threshold on the model's own probabilities: the value `decision_threshold` "
+            "in the models file would take. Least cost: the threshold that minimises "
+            f"{t['cost_fp']:g} × false positives + {t['cost_fn']:g} × false negatives on "
+            "these rows (ties go to the one nearest 0.5); chosen on the rows it is scored on, "
+            "it is an optimistic figure.",
+        ]
+    if len(reports) > 1:
+        lines += ["", f"## Rows where they disagree ({len(disagreeing)})", ""]
+        if disagreeing:
+            lines += [
+                "| Row | Id | Expected | " + " | ".join(names) + " |",
+                "|---|---|---|" + "---|" * len(names),
+            ]
+            for d in disagreeing[:DISAGREEMENTS_SHOWN]:
+                cells = [f"{d['labels'][n]} ({d['top_scores'][n]:.3f})" for n in names]
+                lines.append(
+                    f"| {d['row']} | {d['id'] if d['id'] is not None else ''} "
+                    f"| {d['expected'] or ''} | " + " | ".join(cells) + " |"
+                )
+            if len(disagreeing) > DISAGREEMENTS_SHOWN:
+                lines.append(f"\n{len(disagreeing) - DISAGREEMENTS_SHOWN} more in the JSON report.")
+    lines += ["", "## Plots", ""]
+    if plots:
+        lines += [f"![{Path(p).stem}]({p})" for p in plots]
+    else:
+        lines.append("No plots: matplotlib is not installed (`pip install 'loraserve[report]'`).")
+    return "\n".join(lines) + "\n"
+
+
+def can_plot() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def draw_plots(
+    folder: Path, columns: Mapping[str, Sequence[Judged]], labels: list[str]
+) -> list[str]:
+    """Per servable, a histogram of the positive label's score per expected label, and one
+    precision-recall curve of them all; the files' names, relative to `folder`."""
+    if len(labels) != 2 or not can_plot():
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    positive = labels[1]
+    names: list[str] = []
+    for index, (name, judged) in enumerate(columns.items()):
+        figure, axes = plt.subplots(figsize=(6, 3.5))
+        for label in labels:
+            scores = [j.score_of(positive) for j in judged if j.expected == label and j.predicted]
+            axes.hist(scores, bins=HISTOGRAM_BINS, range=(0, 1), alpha=0.6, label=label)
+        axes.set(title=f"{name}: score of {positive} by expected label", xlabel="served score")
+        axes.set_yscale("log")
+        axes.legend(title="expected")
+        file = f"histogram-{index}.png"
+        figure.tight_layout()
+        figure.savefig(folder / file, dpi=100)
+        plt.close(figure)
+        names.append(file)
+    figure, axes = plt.subplots(figsize=(5, 4))
+    for name, judged in columns.items():
+        counted = [j for j in judged if j.predicted is not None and j.expected in labels]
+        recall, precision = precision_recall_curve(
+            [j.expected == positive for j in counted], [j.score_of(positive) for j in counted]
+        )
+        axes.plot(recall, precision, label=name)
+    axes.set(title=f"precision-recall of {positive}", xlabel="recall", ylabel="precision")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(folder / "precision-recall.png", dpi=100)
+    plt.close(figure)
+    return [*names, "precision-recall.png"]

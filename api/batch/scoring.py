@@ -1,0 +1,116 @@
+"""What scores a file's texts, in process or against a running server: the same answers,
+the same refusals. A refusal of one text becomes that row's error; a busy or loading
+service is waited for; anything else stops the run (its output stays resumable)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from api.http.errors import InvalidInput, NonFiniteAnswer, ServiceError
+
+Ranked = list[dict[str, Any]]  # /predict's answer to one text: labels with scores, best first
+# Refusals that concern the texts themselves: the rest of a batch is still scored.
+ROW_REFUSALS = (InvalidInput.code, NonFiniteAnswer.code)
+# Refusals that pass: a busy, loading or slow service. After this many in a row, give up.
+MAX_WAITS = 30
+WAIT_SECONDS = 1.0
+
+
+class ScoringFailed(RuntimeError):
+    """The service refused in a way that waiting does not fix: the run stops."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which answers are asked for: a model (None: the first) with an adapter (None: its
+    default), or the cascade."""
+
+    model: str | None = None
+    adapter: str | None = None
+    cascade: bool = False
+
+
+@dataclass(frozen=True)
+class Servable:
+    """What answers a target, as the output's header records it."""
+
+    model: str  # the model's name, or "cascade"
+    adapter: str | None  # the adapter answering; None for the cascade or a model without any
+    labels: list[str]
+    decision_threshold: float | None  # in the model's own scores; served ones centre on it
+    identities: dict[str, str]  # model name → answer identity digest (two for the cascade)
+
+    @property
+    def column(self) -> str:
+        """How reports name it: model/adapter."""
+        return self.model if self.adapter is None else f"{self.model}/{self.adapter}"
+
+
+@dataclass
+class Outcome:
+    """One text's answer as /predict gives it, and which model gave it; or its error."""
+
+    ranked: Ranked | None = None
+    answered_by: str | None = None
+    error: dict[str, str] | None = field(default=None)
+
+
+class Source(Protocol):
+    """Scores texts for a target: in process or over HTTP."""
+
+    async def describe(self, target: Target) -> Servable: ...
+
+    async def score(self, target: Target, texts: list[str], truncate: bool) -> list[Outcome]:
+        """The texts' outcomes in order; raises Refused as the service refuses the batch."""
+        ...
+
+
+@dataclass
+class Refused(Exception):
+    """A refusal read back from a service (over HTTP): its code, message, wait."""
+
+    code: str
+    message: str
+    retry_after: float | None = None
+
+
+def refusal_of(error: ServiceError) -> Refused:
+    """An in-process ServiceError as the same refusal the HTTP answer carries."""
+    wait = error.headers.get("Retry-After") if error.headers else None
+    return Refused(error.code, error.message, float(wait) if wait else None)
+
+
+Score = Callable[[list[str]], Awaitable[list[Outcome]]]
+
+
+async def score_rows(score: Score, texts: list[str]) -> list[Outcome]:
+    """Every text's outcome: a batch refused for one text is scored text by text, so only
+    the texts refused get an error; busy or loading answers are waited out."""
+    try:
+        return await waiting(score, texts)
+    except Refused as refused:
+        if refused.code not in ROW_REFUSALS:
+            raise ScoringFailed(f"{refused.code}: {refused.message}") from None
+        if len(texts) == 1:
+            return [Outcome(error={"code": refused.code, "message": refused.message})]
+    return [outcome for text in texts for outcome in await score_rows(score, [text])]
+
+
+async def waiting(score: Score, texts: list[str]) -> list[Outcome]:
+    """`score(texts)`, asked again after the wait a busy, loading or slow service gives."""
+    for _ in range(MAX_WAITS):
+        try:
+            return await score(texts)
+        except Refused as refused:
+            if refused.code in ROW_REFUSALS or not passes(refused):
+                raise
+            await asyncio.sleep(refused.retry_after or WAIT_SECONDS)
+    return await score(texts)
+
+
+def passes(refused: Refused) -> bool:
+    """A refusal that asking again later can turn into an answer."""
+    return refused.code in ("overloaded", "unavailable", "inference_failed", "deadline_exceeded")
