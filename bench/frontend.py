@@ -328,9 +328,12 @@ def run(seconds: float, rounds: int, profile_seconds: float, out: Path) -> dict[
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: `make bench-frontend` installs it")
     out.mkdir(parents=True, exist_ok=True)
-    WORK.mkdir(parents=True, exist_ok=True)
-    texts = write_literals(sample_texts(2000), out / "frontend-texts.txt")
-    env = {"MODELS_FILE": str(write_models_file(out))}
+    # The texts, the models file and py-spy's raw stacks are scratch: git-ignored, beside
+    # the servers' logs, not in the report folder.
+    scratch = WORK / "frontend"
+    scratch.mkdir(parents=True, exist_ok=True)
+    texts = write_literals(sample_texts(2000), scratch / "frontend-texts.txt")
+    env = {"MODELS_FILE": str(write_models_file(scratch))}
     load_at_start = load_average()
     health: list[LoadPoint] = []
     predict: list[LoadPoint] = []
@@ -341,7 +344,7 @@ def run(seconds: float, rounds: int, profile_seconds: float, out: Path) -> dict[
         for _ in range(rounds):  # alternating: a drift of the machine hits both alike
             health.append(load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {}))
             predict.append(load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts)))
-        profiled = profile(url, pid, profile_seconds, texts, out)
+        profiled = profile(url, pid, profile_seconds, texts, scratch)
     ratios = [p.requests_per_s / h.requests_per_s for h, p in zip(health, predict, strict=True)]
     median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
     return {

@@ -164,3 +164,48 @@ async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
         await tier.close()
     assert found == [stored, None]
     assert took < 1.5, f"a read waited {took:.2f} s for the writer's lock"
+
+
+async def test_entries_stored_while_a_commit_waits_go_into_one_next_transaction(
+    tmp_path: Path,
+) -> None:
+    # Another connection holds sqlite's write lock, so the tier's first transaction waits:
+    # what 40 more requests store meanwhile must all land, in one more transaction, not 40.
+    folder = tmp_path / "disk"
+    tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
+    holding, release = threading.Event(), threading.Event()
+    commits: list[int] = []
+    write = tier._write
+
+    def counted(pending: list[tuple[str, tuple[tuple[float, ...], tuple[float, ...]]]]) -> None:
+        commits.append(len(pending))
+        write(pending)
+
+    tier._write = counted  # type: ignore[method-assign]
+
+    def locker() -> None:
+        other = diskcache.Cache(str(folder))
+        with other.transact():
+            holding.set()
+            release.wait(5)
+        other.close()
+
+    thread = threading.Thread(target=locker)
+    thread.start()
+    entry = ((0.25, 0.75), (0.0, math.log(3)))
+    try:
+        assert holding.wait(10)
+        tier.put_many(["first"], [entry])
+        time.sleep(0.2)  # the writer thread is in its transaction, waiting for the lock
+        for index in range(40):
+            tier.put_many([f"text-{index}"], [entry])
+    finally:
+        release.set()
+        thread.join()
+    await tier.close()  # waits for the writer to drain
+    reopened = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
+    keys = ["first"] + [f"text-{index}" for index in range(40)]
+    found = await reopened.get_many(keys, AnswerShape(labels=2))
+    await reopened.close()
+    assert found == [entry] * len(keys)
+    assert commits == [1, 40]

@@ -16,7 +16,7 @@ from api.http.errors import install_error_handlers
 from api.http.middleware.auth import ApiKeyGuard
 from api.http.middleware.body_limit import BodySizeLimit
 from api.http.middleware.observe import RequestMetrics
-from api.http.routes import router
+from api.http.routes import ROUTERS
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
 from api.models.faults import is_fatal_device_error
@@ -93,7 +93,8 @@ def create_app(
     )
     app.state.service = state
     install_error_handlers(app)
-    app.include_router(router)
+    for router in ROUTERS:
+        app.include_router(router)
     # Added last = runs first: metrics see every answer, 401s and 413s included.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Always: without ADMIN_API_KEY it keeps the adapter routes closed.

@@ -5,8 +5,6 @@ from fastapi import APIRouter
 
 from api.http.routes import adapters, oip, status, tei
 
-router = APIRouter()
-router.include_router(tei.router)
-router.include_router(status.router)
-router.include_router(oip.router)
-router.include_router(adapters.router)
+# Included into the app one by one, not through a router of routers: FastAPI walks every
+# level of inclusion on every request, and /predict is matched first.
+ROUTERS: tuple[APIRouter, ...] = (tei.router, status.router, oip.router, adapters.router)

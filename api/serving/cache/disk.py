@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,8 +47,13 @@ class DiskTier:
             size_limit=max_bytes,
             eviction_policy="least-recently-stored",
         )
-        # Writes go to their own thread: an fsync must not stall the event loop.
+        # Writes go to their own thread: an fsync must not stall the event loop. What
+        # requests store while a transaction commits waits in the backlog and goes into the
+        # next one: under load one commit serves many requests, not one each.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-cache")
+        self._backlog: list[tuple[str, Entry]] = []
+        self._backlog_lock = threading.Lock()
+        self._draining = False
 
     @classmethod
     def open(
@@ -90,17 +96,31 @@ class DiskTier:
         return screened(self.metrics, self.name, found, shape, errors)
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
-        self._writer.submit(self._write, list(keys), list(entries))
+        with self._backlog_lock:
+            self._backlog.extend(zip(keys, entries, strict=True))
+            if self._draining:  # the writer takes these with the next transaction
+                return
+            self._draining = True
+        self._writer.submit(self._drain)
 
-    def _write(self, keys: list[str], entries: list[Entry]) -> None:
-        """One request's entries in one transaction: one commit, not one per text."""
+    def _drain(self) -> None:
+        while True:
+            with self._backlog_lock:
+                pending, self._backlog = self._backlog, []
+                if not pending:
+                    self._draining = False
+                    return
+            self._write(pending)
+
+    def _write(self, pending: list[tuple[str, Entry]]) -> None:
+        """Everything stored since the last commit, in one transaction."""
         try:
             with self._cache.transact():
-                for key, entry in zip(keys, entries, strict=True):
+                for key, entry in pending:
                     self.put(key, entry)
         except Exception as exc:  # disk full, read-only, I/O error: none of them written
             logger.warning("disk cache write failed: %s", type(exc).__name__)
-            self.metrics.cache_errors.labels(self.name, "write").inc(len(keys))
+            self.metrics.cache_errors.labels(self.name, "write").inc(len(pending))
 
     def refresh_gauges(self) -> None:
         try:
