@@ -7,7 +7,7 @@ import asyncio
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,6 +44,17 @@ def test_the_cost_fit_recovers_per_token_and_per_batch_seconds() -> None:
 NONE = Work()
 
 
+@dataclass(frozen=True)
+class Written:
+    """A Backlog written by hand (the batcher's plan of it is tested in test_batch_plan)."""
+
+    ahead: Work
+    own: Work
+    total: Work
+    running_tokens: int
+    running_seconds: float
+
+
 def unscaled(target_seconds: float) -> Admission:
     """Admission on the backlog's estimate as it is, until waits are seen to overrun it."""
     return Admission(target_seconds, overrun=RunningQuantile(OVERRUN_QUANTILE, OVERRUN_STEP))
@@ -56,10 +67,10 @@ def waiting(
     running_tokens: int = 0,
     running_seconds: float = 0.0,
 ) -> Backlog:
-    """A backlog written by hand (the batcher's plan of it is tested in test_batch_plan)."""
+    """A backlog of these plans (`total`: ahead's and own's added, unless given)."""
     if total is None:
         total = Work(ahead.batches + own.batches, ahead.tokens + own.tokens)
-    return Backlog(ahead, own, total, running_tokens, running_seconds)
+    return Written(ahead, own, total, running_tokens, running_seconds)
 
 
 def expected_seconds(admission: Admission, backlog: Backlog) -> float:
@@ -214,7 +225,7 @@ async def test_the_issues_worked_example_is_estimated_at_least_at_the_real_wait(
         admission = unscaled(target_seconds=2.0)  # 1.5 s may be waited: refused
         for _ in range(5):
             admission.cost.observe(32 * 128, 0.8)
-        at = replace(backlog, running_seconds=elapsed)
+        at = waiting(backlog.ahead, backlog.own, backlog.total, backlog.running_tokens, elapsed)
         assert expected_seconds(admission, at) == pytest.approx(2.4 + (0.8 - elapsed))
     # And at least what the batches the batcher formed from these rows cost at that rate.
     behind_the_running = sum(s.tokens for s in stats[1:]) * 0.8 / 4096

@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 from starlette.types import Message, Receive, Scope, Send
 
 from api.http.app import create_app
-from api.http.middleware.observe import RequestMetrics
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
 from api.models.loader import PHASES
 from api.models.registry import Registry
+from api.observability.middleware import RequestObserver
 from tests.conftest import make_settings, spec_for, wait_ready
 from tests.tiny_models import TinyModel
 
@@ -204,7 +204,7 @@ async def test_the_drain_waits_only_for_requests_accepted_before_it(phase: Phase
     async def send(message: Message) -> None:
         pass
 
-    scope = {"type": "http", "method": "POST", "path": "/predict"}
-    await RequestMetrics(route, state)(scope, receive, send)
+    scope = {"type": "http", "method": "POST", "path": "/predict", "headers": []}
+    await RequestObserver(route, state)(scope, receive, send)
     assert counted == [0 if phase in (Phase.DRAINING, Phase.FAILED) else 1]
     assert state.in_flight == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import shutil
 import threading
@@ -209,3 +210,31 @@ async def test_entries_stored_while_a_commit_waits_go_into_one_next_transaction(
     await reopened.close()
     assert found == [entry] * len(keys)
     assert commits == [1, 40]
+
+
+async def test_the_disk_tier_stays_within_its_bytes_and_keeps_the_latest_entries(
+    tmp_path: Path,
+) -> None:
+    # Culled once per transaction rather than on every write: still bounded, the least
+    # recently stored going first. Measured with diskcache's own accounting, from a second
+    # connection to the folder.
+    limit = 256 * 1024
+    folder = tmp_path / "disk"
+    tier = DiskTier(folder, limit, None, Metrics(latency_target_seconds=2.0))
+    entry = ((0.25, 0.75), (0.0, math.log(3)))
+    keys = [f"text {index} " + "x" * 200 for index in range(4000)]  # ~1 MB of rows in all
+    for start in range(0, len(keys), 100):
+        tier.put_many(keys[start : start + 100], [entry] * 100)
+        await asyncio.sleep(0.01)  # requests come over time: several transactions
+    await tier.close()
+    reader = diskcache.Cache(str(folder))
+    try:
+        volume, stored = reader.volume(), len(reader)
+    finally:
+        reader.close()
+    assert volume <= limit, (volume, stored)
+    reopened = DiskTier(folder, limit, None, Metrics(latency_target_seconds=2.0))
+    latest = await reopened.get_many(keys[-50:], AnswerShape(labels=2))
+    oldest = await reopened.get_many(keys[:50], AnswerShape(labels=2))
+    await reopened.close()
+    assert latest == [entry] * 50 and oldest == [None] * 50, stored

@@ -15,7 +15,6 @@ from api import __version__
 from api.http.errors import install_error_handlers
 from api.http.middleware.auth import ApiKeyGuard
 from api.http.middleware.body_limit import BodySizeLimit
-from api.http.middleware.observe import RequestMetrics
 from api.http.routes import ROUTERS
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
@@ -95,7 +94,7 @@ def create_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    # Added last = runs first: metrics see every answer, 401s and 413s included.
+    # Added last = runs first.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Always: without ADMIN_API_KEY it keeps the adapter routes closed.
     api_key, admin_key = (
@@ -103,9 +102,9 @@ def create_app(
         for key in (settings.api_key, settings.admin_api_key)
     )
     app.add_middleware(ApiKeyGuard, api_key=api_key, admin_key=admin_key)
-    app.add_middleware(RequestMetrics, state=state)
-    # Outermost: every answer carries the request's id, and its access line and span see it.
-    app.add_middleware(RequestObserver)
+    # Outermost: every answer carries the request's id, and its metrics, access line and span
+    # see every answer, 401s and 413s included.
+    app.add_middleware(RequestObserver, state=state)
     return app
 
 

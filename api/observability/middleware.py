@@ -8,7 +8,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.http.middleware.observe import route_label
+from api.http.middleware.observe import RequestMetrics, route_label
+from api.http.state import ServiceState
 from api.observability import tracing
 from api.observability.logs import log_access
 from api.observability.record import CURRENT, RequestRecord
@@ -23,11 +24,13 @@ UNTRACED = frozenset(
 
 
 class RequestObserver:
-    """A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which costs a task and a
-    stream per request)."""
+    """The one outer ASGI layer (plain ASGI, not Starlette's BaseHTTPMiddleware, which costs a
+    task and a stream per request): the request's id, record, span and access line, and its
+    metrics (api.http.middleware.observe), with one wrapped `send` for all of them."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
         self.app = app
+        self.metrics = RequestMetrics(state)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,7 +41,7 @@ class RequestObserver:
         path = scope["path"]
         record = RequestRecord(request_id_from(sent), scope["method"], path, route_label(path))
         echoed = (_HEADER_KEY, record.request_id.encode("latin-1"))
-        status = 500  # what the access line says of a request that ended with no answer
+        status = 500  # what the access line and metrics say of a request with no answer
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -48,27 +51,22 @@ class RequestObserver:
             await send(message)
 
         record_token = CURRENT.set(record)
+        holds_drain = self.metrics.began()
         started = time.perf_counter()
-        if tracing.tracer is None or record.route in UNTRACED:
-            try:
-                await self.app(scope, receive, send_with_id)
-            finally:
-                self._finish(record, status, started)
-                CURRENT.reset(record_token)
-            return
-        span, span_token = tracing.start_request(f"{record.method} {record.route}", headers)
-        context = span.get_span_context()
-        if context.trace_flags.sampled:
-            record.trace_id = tracing.trace_id_hex(context)
+        span = span_token = None
+        if tracing.tracer is not None and record.route not in UNTRACED:
+            span, span_token = tracing.start_request(f"{record.method} {record.route}", headers)
+            context = span.get_span_context()
+            if context.trace_flags.sampled:
+                record.trace_id = tracing.trace_id_hex(context)
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self._finish(record, status, started)
-            tracing.end_request(span, span_token, record)
+            seconds = time.perf_counter() - started
+            self.metrics.ended(record.route, status, seconds, holds_drain, record.trace_id)
+            record.status = status
+            record.duration_ms = round(seconds * 1000, 3)
+            log_access(record)
+            if span is not None:
+                tracing.end_request(span, span_token, record)
             CURRENT.reset(record_token)
-
-    @staticmethod
-    def _finish(record: RequestRecord, status: int, started: float) -> None:
-        record.status = status
-        record.duration_ms = round((time.perf_counter() - started) * 1000, 3)
-        log_access(record)

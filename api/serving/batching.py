@@ -10,7 +10,8 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from functools import cached_property
+from typing import Any, Generic, Protocol, TypeVar
 
 from opentelemetry.trace import SpanContext
 
@@ -86,17 +87,60 @@ class BatchStats:
     failed: bool = False
 
 
-@dataclass(frozen=True)
-class Backlog:
+class Backlog(Protocol):
     """What a request about to be submitted would wait for, for admission. Each row counts
     once: one queued for another request, or abandoned by a client that has gone, is run
     once for all who send it; abandoned rows nobody sends again are dropped unrun."""
 
-    ahead: Work  # the rows queued for other requests
-    own: Work  # the request's rows that are neither running nor queued for others
-    total: Work  # ahead and own, batched together
-    running_tokens: int  # the batch on the device now (0: none)
-    running_seconds: float  # how long it has run so far
+    @property
+    def ahead(self) -> Work:
+        """The rows queued for other requests."""
+        ...
+
+    @property
+    def own(self) -> Work:
+        """The request's rows that are neither running nor queued for others."""
+        ...
+
+    @property
+    def total(self) -> Work:
+        """`ahead` and `own`, batched together."""
+        ...
+
+    @property
+    def running_tokens(self) -> int:
+        """The batch on the device now (0: none)."""
+        ...
+
+    @property
+    def running_seconds(self) -> float:
+        """How long it has run so far."""
+        ...
+
+
+@dataclass(frozen=True)
+class QueuedBacklog:
+    """A Backlog from the lengths of the rows queued, each planned the first time it is
+    asked for: an admitted request needs `total` alone; `ahead` and `own` only a refused one
+    (or one before any batch ran), so most requests plan the queue once, not three times."""
+
+    ahead_lengths: Counter[int]
+    own_lengths: Counter[int]
+    limits: BatchLimits
+    running_tokens: int
+    running_seconds: float
+
+    @cached_property
+    def ahead(self) -> Work:
+        return planned_work(self.ahead_lengths, self.limits)
+
+    @cached_property
+    def own(self) -> Work:
+        return planned_work(self.own_lengths, self.limits)
+
+    @cached_property
+    def total(self) -> Work:
+        return planned_work(self.ahead_lengths + self.own_lengths, self.limits)
 
 
 @dataclass(eq=False)
@@ -212,10 +256,10 @@ class Batcher(Generic[Result]):
             own[len(key[1])] += 1
         ahead = +ahead  # drops the lengths left at 0
         running = self._running_batch
-        return Backlog(
-            ahead=planned_work(ahead, self.limits),
-            own=planned_work(own, self.limits),
-            total=planned_work(ahead + own, self.limits),
+        return QueuedBacklog(
+            ahead_lengths=ahead,
+            own_lengths=own,
+            limits=self.limits,
             running_tokens=0 if running is None else running.tokens(),
             running_seconds=0.0 if running is None else time.monotonic() - self._running_since,
         )

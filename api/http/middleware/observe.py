@@ -1,15 +1,11 @@
-"""An ASGI middleware that times every request and counts it by route and status."""
+"""The request metrics: every request timed and counted by route and status."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http.state import Phase, ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
-from api.observability.record import CURRENT
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
 ROUTES = frozenset(
@@ -52,10 +48,12 @@ def route_label(path: str) -> str:
 
 
 class RequestMetrics:
-    """Duration, status, in-flight and over-target counts for each HTTP request."""
+    """Duration, status, in-flight and over-target counts for each HTTP request, and the
+    count of requests the drain waits for. Called by the one outer middleware
+    (api.observability.middleware) as each request begins and ends: one layer, one wrapped
+    `send`, for both the request's id and its metrics."""
 
-    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
-        self.app = app
+    def __init__(self, state: ServiceState) -> None:
         self.state = state
         self.metrics = state.metrics
         self.target_seconds = state.settings.latency_target_seconds
@@ -74,45 +72,33 @@ class RequestMetrics:
             self._series[(route, status)] = found
         return found
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = route_label(scope["path"])
-        status = 500
-        started = time.perf_counter()
+    def began(self) -> bool:
+        """Counts a request in flight; True when the drain is to wait for it.
 
-        async def record_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        # The drain waits for the requests accepted before it began. One that arrives once the
-        # service stopped taking work is refused at once; counted, a steady stream of them
-        # (clients retrying) would hold the drain open until DRAIN_SECONDS ran out.
+        The drain waits for the requests accepted before it began. One that arrives once the
+        service stopped taking work is refused at once; counted, a steady stream of them
+        (clients retrying) would hold the drain open until DRAIN_SECONDS ran out."""
         holds_drain = self.state.phase not in (Phase.DRAINING, Phase.FAILED)
         self.metrics.requests_in_flight.inc()
         if holds_drain:
             self.state.in_flight += 1
-        try:
-            await self.app(scope, receive, record_status)
-        finally:
-            elapsed = time.perf_counter() - started
-            self.metrics.requests_in_flight.dec()
-            if holds_drain:
-                self.state.in_flight -= 1
-            duration, count = self.series(route, status)
-            # A sampled trace's id as the exemplar: a slow bucket leads to a slow request.
-            request = CURRENT.get()
-            if request is not None and request.trace_id is not None:
-                duration.observe(elapsed, {"trace_id": request.trace_id})
-            else:
-                duration.observe(elapsed)
-            count.inc()
-            if elapsed > self.target_seconds:
-                self.metrics.requests_over_target.labels(route).inc()
-            if (
-                reason := REJECTION_REASON_BY_STATUS.get(status)
-            ) is not None and route not in PROBES:
-                self.metrics.rejections.labels(reason).inc()
+        return holds_drain
+
+    def ended(
+        self, route: str, status: int, seconds: float, holds_drain: bool, trace_id: str | None
+    ) -> None:
+        """Counts a finished request (`began` said whether the drain waited for it)."""
+        self.metrics.requests_in_flight.dec()
+        if holds_drain:
+            self.state.in_flight -= 1
+        duration, count = self.series(route, status)
+        # A sampled trace's id as the exemplar: a slow bucket leads to a slow request.
+        if trace_id is not None:
+            duration.observe(seconds, {"trace_id": trace_id})
+        else:
+            duration.observe(seconds)
+        count.inc()
+        if seconds > self.target_seconds:
+            self.metrics.requests_over_target.labels(route).inc()
+        if (reason := REJECTION_REASON_BY_STATUS.get(status)) is not None and route not in PROBES:
+            self.metrics.rejections.labels(reason).inc()
