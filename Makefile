@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-score bench-cascade bench-adapters train train-llm clean
+.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-revisions bench-score bench-cascade bench-adapters train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -95,6 +95,10 @@ bench-tracing: $(BENCH_INSTALLED)
 ## bench-frontend: one-text /predict against /health on a simulated device, CPU per request by stage
 bench-frontend: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.frontend
+
+## bench-revisions: served / raw of this checkout and revision BASE side by side (BASE=<rev>)
+bench-revisions: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.revisions --base $(BASE)
 
 ## bench-score: `loraserve score` in process vs. the served throughput of the same model
 bench-score: $(BENCH_INSTALLED)

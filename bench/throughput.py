@@ -296,8 +296,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(name: str, env: dict[str, str], threads: int) -> Iterator[RunningServer]:
-    """The real server process on a free loopback port, stopped when the block ends."""
+def server(
+    name: str, env: dict[str, str], threads: int, code: Path = REPO
+) -> Iterator[RunningServer]:
+    """The real server process on a free loopback port, stopped when the block ends; `code`:
+    the checkout whose `api` it runs (`python -m` imports from its working folder)."""
     port = free_port()
     full = {
         **os.environ,
@@ -311,7 +314,7 @@ def server(name: str, env: dict[str, str], threads: int) -> Iterator[RunningServ
     log = WORK / f"server-{name}.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "api.cli"], cwd=REPO, env=full, stdout=sink, stderr=sink
+            [sys.executable, "-m", "api.cli"], cwd=code, env=full, stdout=sink, stderr=sink
         )
         try:
             url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,227 @@
+"""Two revisions of the code, served side by side on the real embedded model, each taking its
+turn with the raw model in every round: how far a change moved served / raw.
+
+Run: `python -m bench.revisions --base <revision>` (or `make bench-revisions BASE=<revision>`).
+It checks the base revision out into a git worktree under bench/out/ (git-ignored), starts
+that checkout's server and this checkout's (`python -m api.cli`, caches off, as
+bench.throughput's "served"), and the raw model (bench.raw_model) in its own process. Each
+round measures the three at 32 clients, one text a request, in an order that rotates; the
+report gives each round's texts/s, each revision's served / raw, and head / base.
+
+Why not two runs of bench.throughput: on a shared machine the raw model's own rate moves by
+a quarter between rounds minutes apart (measured here: 658 to 830 texts/s in one run), which
+is as much as the changes measured. Here every figure of a round is taken within a minute of
+the others, and the medians of several rounds are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.throughput import (
+    CACHE_OFF,
+    REPO,
+    REPORTS,
+    TARGET_CLIENTS,
+    WORK,
+    Config,
+    RawModel,
+    RunningServer,
+    measure,
+    raw_model,
+    run_meta,
+    sample_texts,
+    server,
+    shown,
+    stop_on_sigterm,
+    wait_for_quiet,
+    write_bodies,
+)
+
+ROUNDS = 5
+CHECKOUTS = REPO / "bench" / "out" / "revisions"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round: each revision's served texts/s and the raw model's, within a minute."""
+
+    order: list[str]
+    base: float
+    head: float
+    raw: float
+    raw_other_cores: float
+
+    @property
+    def base_vs_raw(self) -> float:
+        return self.base / self.raw
+
+    @property
+    def head_vs_raw(self) -> float:
+        return self.head / self.raw
+
+    @property
+    def head_vs_base(self) -> float:
+        return self.head / self.base
+
+
+def git(*args: str) -> str:
+    found = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True)
+    return found.stdout.strip()
+
+
+def checkout(revision: str) -> tuple[Path, str]:
+    """A worktree of `revision` (made once per commit) and that commit's short id."""
+    commit = git("rev-parse", "--verify", f"{revision}^{{commit}}")
+    folder = CHECKOUTS / commit
+    if not (folder / "api").is_dir():
+        shutil.rmtree(folder, ignore_errors=True)
+        git("worktree", "prune")
+        git("worktree", "add", "--detach", "--force", str(folder), commit)
+    return folder, commit[:7]
+
+
+def head_description() -> str:
+    """This checkout's commit, and whether its working tree differs from it."""
+    commit = git("rev-parse", "--short=7", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"{commit} with uncommitted changes" if dirty else commit
+
+
+def rounds(
+    config: Config, servers: dict[str, RunningServer], raw: RawModel, bodies: Path, count: int
+) -> list[Round]:
+    """`count` rounds of base, head and raw, the order rotating."""
+    names = ["base", "head", "raw"]
+    found: list[Round] = []
+    for number in range(count):
+        turn = number % len(names)
+        order = names[turn:] + names[:turn]
+        rate: dict[str, float] = {}
+        other_cores = 0.0
+        for name in order:
+            if name == "raw":
+                measured = raw.measure(config.duration, ["batch32"])
+                rate["raw"], other_cores = measured["batch32"], measured["other_cores"]
+            else:
+                point = measure(name, servers[name], TARGET_CLIENTS, config, bodies)
+                rate[name] = point.requests_per_s
+        found.append(Round(order, rate["base"], rate["head"], round(rate["raw"], 1), other_cores))
+        print(json.dumps({"round": asdict(found[-1])}), flush=True)
+    return found
+
+
+def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> str:
+    m = meta["machine"]
+    median = {
+        name: statistics.median(getattr(r, name) for r in found)
+        for name in ("base_vs_raw", "head_vs_raw", "head_vs_base")
+    }
+    lines = [
+        "# Served / raw of two revisions, side by side",
+        "",
+        f"Written by `{meta['command']}` on {meta['date']}: base {base}, head {head}.",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Python "
+        f"{m['python']}, torch {m['torch']}; {meta['config']['threads']} torch threads "
+        f"everywhere; load average at the start {meta['load_average']['at_start']:.2f}.",
+        f"- Client: {m['client']}, 1 thread, {TARGET_CLIENTS} connections, each request one "
+        f"text cycling through {meta['config']['texts']} distinct SMS texts; "
+        f"{meta['config']['duration']:g} s per measurement after a "
+        f"{meta['config']['warmup']:g} s warm-up.",
+        f"- Model: {meta['model']}. Both servers `python -m api.cli` with "
+        "LRU_CACHE_ENTRIES=0, DISK_CACHE_MAX_BYTES=0 (every other setting as each revision "
+        "ships it), up side by side; the raw model (bench.raw_model, batch 32) in its own "
+        "process. An idle one costs the others nothing.",
+        "",
+        "| round | order | base texts/s | head texts/s | raw texts/s | base / raw "
+        "| head / raw | head / base |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for number, r in enumerate(found, start=1):
+        lines.append(
+            f"| {number} | {', '.join(r.order)} | {r.base:.1f} | {r.head:.1f} | {r.raw:.1f} "
+            f"| {r.base_vs_raw:.2f} | {r.head_vs_raw:.2f} | {r.head_vs_base:.2f} |"
+        )
+    lines += [
+        "",
+        f"Medians of the rounds: served / raw **{median['base_vs_raw']:.2f}** (base) and "
+        f"**{median['head_vs_raw']:.2f}** (head); head / base **{median['head_vs_base']:.2f}**.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> tuple[Config, str, int]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the revision to compare against")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"default {ROUNDS}")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds a measurement")
+    parser.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads everywhere")
+    parser.add_argument("--load-wait", type=float, default=900.0, help="seconds to wait")
+    parser.add_argument("--out", type=Path, default=REPORTS, help="report folder")
+    args = parser.parse_args(argv)
+    config = Config(
+        concurrency=[TARGET_CLIENTS],
+        duration=args.duration,
+        warmup=args.warmup,
+        threads=args.threads,
+        texts=2000,
+        cache_seconds=0.0,
+        load_wait=args.load_wait,
+        out=args.out,
+    )
+    return config, args.base, args.rounds
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, base_revision, count = parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk is needed: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    stop_on_sigterm()
+    WORK.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    base_code, base = checkout(base_revision)
+    head = head_description()
+    load = wait_for_quiet(config.load_wait)
+    bodies = write_bodies(sample_texts(config.texts), WORK / "bodies.jsonl")
+    with raw_model(config, bodies) as model, ExitStack() as stack:
+        servers = {
+            "base": stack.enter_context(server("base", CACHE_OFF, config.threads, base_code)),
+            "head": stack.enter_context(server("head", CACHE_OFF, config.threads)),
+        }
+        found = rounds(config, servers, model, bodies, count)
+        described = model.described
+    meta = run_meta(
+        "bench.revisions", argv, load, "spam-minilm (as each revision ships it)", config, started
+    )
+    text = markdown(meta, found, base, head)
+    data = {
+        "meta": meta,
+        "base": base,
+        "head": head,
+        "raw_model": described,
+        "rounds": [{**asdict(r), "head_vs_base": r.head_vs_base} for r in found],
+    }
+    config.out.mkdir(parents=True, exist_ok=True)
+    (config.out / "revisions.md").write_text(text, encoding="utf-8")
+    (config.out / "revisions.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(text)
+    print(f"written to {shown(config.out)}/ in {meta['run_seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
