@@ -7,11 +7,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from fastapi.testclient import TestClient
 from starlette.types import Message, Receive, Scope, Send
 
 from api.http.app import create_app
+from api.http.routes.common import OwnBodyRoute
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
 from api.models.loader import PHASES
@@ -208,3 +209,18 @@ async def test_the_drain_waits_only_for_requests_accepted_before_it(phase: Phase
     await RequestObserver(route, state)(scope, receive, send)
     assert counted == [0 if phase in (Phase.DRAINING, Phase.FAILED) else 1]
     assert state.in_flight == 0
+
+
+def test_a_route_that_reads_its_own_body_takes_the_request_alone() -> None:
+    """OwnBodyRoute skips FastAPI's request handler, which is what would fill any other
+    parameter: an endpoint with one would be called without it, so it is refused up front."""
+
+    async def alone(request: Request) -> Response:
+        return Response()
+
+    async def with_a_query(request: Request, page: int = 1) -> Response:
+        return Response()
+
+    assert OwnBodyRoute("/alone", alone, methods=["POST"]).get_route_handler() is alone
+    with pytest.raises(TypeError, match="takes `request` alone"):
+        OwnBodyRoute("/query", with_a_query, methods=["POST"])

@@ -15,7 +15,6 @@ any thread, and gives transformers' own ids (tests compare them).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from typing import Any
@@ -73,15 +72,6 @@ class TextEncoder:
                     add_special_tokens=special_tokens,
                 )["input_ids"]
             return found
-        if asyncio._get_running_loop() is not None:
-            # On the event loop's thread: text by text, keeping the GIL. The batch call lets
-            # the GIL go while it encodes, and getting it back means waiting for whichever
-            # thread took it meanwhile (the disk cache's writer, a forward's Python), up to
-            # the 5 ms switch interval: measured on one-text requests, the batch call cost
-            # the loop ~3x its own time, and /predict served ~25 % fewer requests a second.
-            return [backend.encode(text, add_special_tokens=special_tokens).ids for text in texts]
-        # Elsewhere (long inputs, in a worker thread): the batch call, so that the event
-        # loop runs while it encodes.
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special_tokens)]
 
     def decode(self, ids: list[int]) -> str:

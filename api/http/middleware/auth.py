@@ -38,7 +38,7 @@ class ApiKeyGuard:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        accepted: list[bytes] = []  # none: open (no API key, and not an admin path)
+        accepted: list[bytes]
         if scope["path"] in ADMIN_PATHS:
             if self._admin is None:
                 await Forbidden(ADMIN_CLOSED).response(scope["path"])(scope, receive, send)
@@ -46,10 +46,13 @@ class ApiKeyGuard:
             accepted = [self._admin]
         elif self._api is not None:
             accepted = [key for key in (self._api, self._admin) if key is not None]
+        else:  # no API key: open
+            await self.app(scope, receive, send)
+            return
         given = dict(scope["headers"]).get(b"authorization", b"")
         # Every key compared, whichever matches, so the time taken tells nothing.
         matches = [hmac.compare_digest(given, key) for key in accepted]
-        if not accepted or any(matches):
+        if any(matches):
             await self.app(scope, receive, send)
             return
         reason = "missing API key" if not given else "wrong API key"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from api.http.schemas import inline_schema
@@ -39,6 +42,23 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI request body of a route that reads `model` itself with `read_body`."""
     schema = inline_schema(model)
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+class OwnBodyRoute(APIRoute):
+    """A route whose endpoint takes the Request alone, reads its own body (`read_body`) and
+    returns a Response: FastAPI's request handler, which solves dependencies, opens exit
+    stacks and would validate a response model, has nothing to do for it and is skipped
+    (FastAPI's documented way: a custom `APIRoute.get_route_handler`). Exception handlers,
+    middleware and the OpenAPI description are the same as any route's."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if list(inspect.signature(endpoint).parameters) != ["request"]:
+            raise TypeError(f"{endpoint.__name__}: an OwnBodyRoute endpoint takes `request` alone")
+        super().__init__(path, endpoint, **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler: Callable[[Request], Coroutine[Any, Any, Response]] = self.endpoint
+        return handler
 
 
 async def read_body(request: Request, model: type[Body]) -> Body:

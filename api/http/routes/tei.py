@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.http.lifecycle import Call, handle
-from api.http.routes.common import json_body, read_body, state_of
+from api.http.routes.common import OwnBodyRoute, json_body, read_body, state_of
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.models.predictor import Scores
 
@@ -17,7 +17,7 @@ ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 500, 503, 504)
 }
 
-router = APIRouter()
+router = APIRouter(route_class=OwnBodyRoute)
 
 
 PREDICT_BODY = json_body(PredictRequest)
