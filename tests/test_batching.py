@@ -124,13 +124,16 @@ async def test_flushes_by_wait_when_not_full(executor: ThreadPoolExecutor) -> No
 
 async def closed_loop(batcher: Batcher[tuple[str | None, int]], clients: int, rounds: int) -> None:
     """`clients` that each send one row, wait for its answer, and send the next; all but the
-    first start while the first one's row runs."""
+    first start while the first one's row runs. Between an answer and the next row, a
+    millisecond: a real client's answer goes out and its next request comes in through the
+    network and the HTTP server, never in the same turn of the event loop."""
 
     async def client(number: int) -> None:
         if number > 0:
             await asyncio.sleep(0.005)
         for turn in range(rounds):
             await batcher.submit([[number, turn]], ["a"], 30)
+            await asyncio.sleep(0.001)
 
     await asyncio.gather(*(client(number) for number in range(clients)))
 

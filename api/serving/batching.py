@@ -160,13 +160,23 @@ class _Row(Generic[Result]):
 
 @dataclass(eq=False)
 class _Request:
-    """One submitted request: how many of its rows are not answered yet; with tracing on,
-    its sampled span and when it was submitted, for its batches' spans."""
+    """One submitted request: its one future, set once every row it waits for is settled
+    (answered, failed or dropped) or its time is up; how many of its rows are not answered
+    yet, for the refill; with tracing on, its sampled span and when it was submitted, for its
+    batches' spans."""
 
     rows: int
     unanswered: int
+    done: asyncio.Future[None]
+    unsettled: int
     trace: SpanContext | None = None
     submitted: float = 0.0
+
+    def settled(self) -> None:
+        """One of its rows has its result or exception (or was dropped)."""
+        self.unsettled -= 1
+        if self.unsettled == 0 and not self.done.done():
+            self.done.set_result(None)
 
 
 @dataclass
@@ -285,6 +295,7 @@ class Batcher(Generic[Result]):
         for row in self._pending:
             if not row.future.done():
                 row.future.set_exception(BatchFailed("service stopped"))
+                _settle(row)
         self._pending.clear()
         self._waited_lengths.clear()
 
@@ -311,18 +322,26 @@ class Batcher(Generic[Result]):
             if row.waiters == 1 and _is_pending(row):
                 self._waited_lengths[len(row.ids)] += 1
             mine.append(row)
-        request = _Request(len(mine), len(mine), tracing.current_span_context(), now)
+        request = _Request(
+            len(mine),
+            len(mine),
+            loop.create_future(),
+            len(mine),
+            tracing.current_span_context(),
+            now,
+        )
         for row in mine:
             row.requests.append(request)
         self._requests += 1
         self._arrived.set()
+        # One future and one timer a request: the rows, which other requests may share, are
+        # never awaited (or cancelled) here; each settles its requests (`_settle`).
+        timer = loop.call_later(timeout, _expire, request, timeout)
         try:
-            # asyncio.wait never cancels the rows: others may be waiting for the same ones.
-            _, late = await asyncio.wait([row.future for row in mine], timeout=timeout)
-            if late:
-                raise DeadlineExceeded(f"no answer within {timeout:.3g} s")
+            await request.done
             return [row.future.result() for row in mine]
         finally:
+            timer.cancel()
             self._requests -= 1
             for row in mine:
                 row.waiters -= 1
@@ -432,6 +451,7 @@ class Batcher(Generic[Result]):
                 row.future.set_exception(DeadlineExceeded("dropped unrun past its deadline"))
             else:
                 row.future.cancel()
+            _settle(row)
         if self._inflight.get(row.key) is row:
             del self._inflight[row.key]
         if self._on_drop is not None:
@@ -557,6 +577,7 @@ def _deliver(rows: list[_Row[Result]], results: Sequence[Result | BaseException]
             row.future.set_exception(result)
         else:
             row.future.set_result(result)
+        _settle(row)
 
 
 def _fail(rows: list[_Row[Result]], reason: str) -> None:
@@ -565,6 +586,19 @@ def _fail(rows: list[_Row[Result]], reason: str) -> None:
     for row in rows:
         if not row.future.done():
             row.future.set_exception(BatchFailed(reason))
+            _settle(row)
+
+
+def _settle(row: _Row[Any]) -> None:
+    """The row's future is set: each request waiting for it has one row fewer to wait for."""
+    for request in row.requests:
+        request.settled()
+
+
+def _expire(request: _Request, timeout: float) -> None:
+    """A request's time is up: it stops waiting (its rows stay queued for any others)."""
+    if not request.done.done():
+        request.done.set_exception(DeadlineExceeded(f"no answer within {timeout:.3g} s"))
 
 
 def _is_pending(row: _Row[Any]) -> bool:
