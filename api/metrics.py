@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -13,6 +14,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 PREFIX = "loraserve"
@@ -61,7 +63,18 @@ class GpuMemoryCollector(Collector):
 class Metrics:
     """The service's metrics. One instance per app, so tests can build many apps."""
 
+    def labelled(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once per label values: `labels()` takes a lock
+        and builds its key on every call, and the request path counts several series a
+        request. (No series of this service is ever removed, so none goes stale here.)"""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def __init__(self, latency_target_seconds: float) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and more
         PlatformCollector(registry=self.registry)

@@ -18,6 +18,10 @@ bench/reports/frontend.{md,json}. In one run:
   CPU): each sample goes to the stage of its innermost frame that names one (see RULES), and
   each thread's CPU time in that run (/proc) is shared out by its samples. Profiled, the
   server runs slower; the shares, not that run's rate, are the point.
+
+With `--base <revision>` that revision's server (a git worktree under bench/out/) runs beside
+this checkout's, the two taking turns in every round, and each is profiled: the report adds
+both, before and after, as measured in the same run.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ import sys
 import time
 import uuid
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from bench.revisions import checkout, head_description
 from bench.throughput import (
     CLOCK_TICKS,
     FRESH_LUA,
@@ -92,6 +98,7 @@ RULES = (
     Rule("cache lookup and store", "api/serving/cache/"),
     Rule("admission", "api/serving/admission.py"),
     Rule(QUEUE, "api/serving/batching.py", ("submit", "_run_rows", "_deliver", "_fail")),
+    Rule(QUEUE, "api/serving/batching.py", ("_settle", "settled", "_expire")),
     Rule(QUEUE, "api/serving/batching.py", ("_retrieve",)),
     Rule("batch assembly", "api/serving/batching.py"),
     Rule("body parse and validation", "api/http/routes/common.py", ("read_body",)),
@@ -274,9 +281,9 @@ def fresh_env(texts: Path) -> dict[str, str]:
     return {"TEXTS": str(texts), "TEXTS_PER": "1", "RUN": uuid.uuid4().hex[:8]}
 
 
-def profile(url: str, pid: int, seconds: float, texts: Path, out: Path) -> dict[str, Any]:
-    """A /predict run under `py-spy record`; the server's CPU by stage and by thread."""
-    raw_path = out / "frontend-profile.txt"
+def profile(url: str, pid: int, seconds: float, texts: Path, raw_path: Path) -> dict[str, Any]:
+    """A /predict run under `py-spy record` (its raw stacks written to `raw_path`); the
+    server's CPU by stage and by thread."""
     command = [PY_SPY, "record", "--pid", str(pid), "--duration", str(round(seconds) + 1)]
     command += ["--rate", str(PROFILE_RATE), "--format", "raw", "--threads"]
     command += ["--full-filenames", "--nonblocking", "--output", str(raw_path)]
@@ -323,7 +330,12 @@ def write_models_file(folder: Path) -> Path:
     return path
 
 
-def run(seconds: float, rounds: int, profile_seconds: float, out: Path) -> dict[str, Any]:
+def run(
+    seconds: float, rounds: int, profile_seconds: float, out: Path, base: str | None = None
+) -> dict[str, Any]:
+    """The measurements of this checkout's server ("head"), and with `base`, of that
+    revision's server too, up beside it: each round runs each server's /health and /predict,
+    the servers' order alternating, so that a drift of the machine hits both alike."""
     for tool in ("wrk", PY_SPY):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: `make bench-frontend` installs it")
@@ -334,33 +346,68 @@ def run(seconds: float, rounds: int, profile_seconds: float, out: Path) -> dict[
     scratch.mkdir(parents=True, exist_ok=True)
     texts = write_literals(sample_texts(2000), scratch / "frontend-texts.txt")
     env = {"MODELS_FILE": str(write_models_file(scratch))}
+    code = {"head": REPO}
+    base_commit = None
+    if base is not None:
+        code["base"], base_commit = checkout(base)
     load_at_start = load_average()
-    health: list[LoadPoint] = []
-    predict: list[LoadPoint] = []
-    with server("frontend", env, threads=1) as target:
-        url, pid = target.url, target.pid
-        wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-up
-        wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
-        for _ in range(rounds):  # alternating: a drift of the machine hits both alike
-            health.append(load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {}))
-            predict.append(load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts)))
-        profiled = profile(url, pid, profile_seconds, texts, scratch)
-    ratios = [p.requests_per_s / h.requests_per_s for h, p in zip(health, predict, strict=True)]
-    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
-    return {
+    health: dict[str, list[LoadPoint]] = {name: [] for name in code}
+    predict: dict[str, list[LoadPoint]] = {name: [] for name in code}
+    profiled: dict[str, dict[str, Any]] = {}
+    with ExitStack() as stack:
+        targets = {
+            name: stack.enter_context(server(f"frontend-{name}", env, threads=1, code=folder))
+            for name, folder in code.items()
+        }
+        for target in targets.values():  # warm-ups
+            wrk(target.url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
+            wrk(f"{target.url}/health", CLIENTS, 1, HEALTH_LUA, {})
+        names = list(targets)
+        for number in range(rounds):
+            for name in names[number % len(names) :] + names[: number % len(names)]:
+                url, pid = targets[name].url, targets[name].pid
+                health[name].append(
+                    load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {})
+                )
+                predict[name].append(
+                    load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts))
+                )
+        for name, target in targets.items():
+            profiled[name] = profile(
+                target.url, target.pid, profile_seconds, texts, scratch / f"profile-{name}.txt"
+            )
+    result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {**machine(), "py_spy": version("py-spy")},
         "load_average_at_start": load_at_start,
         "clients": CLIENTS,
         "seconds_per_run": seconds,
         "simulated": SIMULATED,
+        **summary(health["head"], predict["head"], profiled["head"]),
+        "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
+    }
+    if base_commit is not None:
+        result["base"] = {
+            "revision": base_commit,
+            "head": head_description(),
+            **summary(health["base"], predict["base"], profiled["base"]),
+        }
+    return result
+
+
+def summary(
+    health: list[LoadPoint], predict: list[LoadPoint], profiled: dict[str, Any]
+) -> dict[str, Any]:
+    """One server's rounds: the ratio of each, the median round's points, its profile."""
+    ratios = [p.requests_per_s / h.requests_per_s for h, p in zip(health, predict, strict=True)]
+    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+    return {
         "ratio": round(statistics.median(ratios), 3),
         "ratios": [round(ratio, 3) for ratio in ratios],
         "median_round": {"health": asdict(health[median]), "predict": asdict(predict[median])},
         "health": [asdict(point) for point in health],
         "predict": [asdict(point) for point in predict],
         "profile": profiled,
-        "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
     }
 
 
@@ -419,7 +466,48 @@ def report(result: dict[str, Any]) -> str:
             f"| {name} | {h['thread_cpu_us_per_request'].get(name, 0.0)} | "
             f"{p['thread_cpu_us_per_request'].get(name, 0.0)} |"
         )
+    if "base" in result:
+        lines += comparison(result)
     return "\n".join(lines) + "\n"
+
+
+def comparison(result: dict[str, Any]) -> list[str]:
+    """The base revision against this checkout, measured in the same run."""
+    base = result["base"]
+    lines = [
+        "",
+        f"## Before and after: {base['revision']} and {base['head']}, in this run",
+        "",
+        f"Both servers up side by side, taking turns in each of the {len(base['ratios'])} "
+        "rounds (the median round's figures; each revision's own profiled run for the stages).",
+        "",
+        "| | /health req/s | /predict req/s | ratio (median of rounds) | /predict p99 ms "
+        "| server CPU µs a /predict |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, found in ((base["revision"], base), (base["head"], result)):
+        h, p = found["median_round"]["health"], found["median_round"]["predict"]
+        lines.append(
+            f"| {name} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
+            f"| {found['ratio']} | {p['p99_ms']} | {p['server_cpu_us_per_request']} |"
+        )
+    before, after = base["profile"]["stages"], result["profile"]["stages"]
+    lines += [
+        "",
+        "| stage | before µs/request | after µs/request |",
+        "|---|---:|---:|",
+    ]
+    for stage in sorted(
+        set(before) | set(after), key=lambda s: -before.get(s, {}).get("cpu_us_per_request", 0)
+    ):
+        was = before.get(stage, {}).get("cpu_us_per_request", 0.0)
+        now = after.get(stage, {}).get("cpu_us_per_request", 0.0)
+        lines.append(f"| {stage} | {was} | {now} |")
+    lines.append(
+        f"| all | {base['profile']['server_cpu_us_per_request']} "
+        f"| {result['profile']['server_cpu_us_per_request']} |"
+    )
+    return lines
 
 
 def main() -> None:
@@ -428,12 +516,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="seconds a run (default 10)")
     parser.add_argument("--rounds", type=int, help="/health + /predict rounds (default 3)")
     parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
+    parser.add_argument("--base", help="a revision to measure beside this checkout, in turns")
     args = parser.parse_args()
     quick = args.quick
     seconds = args.seconds or (2.0 if quick else 10.0)
     rounds = args.rounds or (1 if quick else 3)
     out = args.out or (REPO / "bench" / "out" / "frontend-quick" if quick else REPORTS)
-    result = run(seconds, rounds, seconds, out)
+    result = run(seconds, rounds, seconds, out, args.base)
     (out / "frontend.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out / "frontend.md").write_text(report(result), encoding="utf-8")
     print(report(result))

@@ -215,13 +215,24 @@ def _batcher(
 ) -> Batcher[Scores]:
     settings, metrics, name = state.settings, state.metrics, served.name
 
+    # This model's series, looked up once (see Metrics.labelled).
+    batch_size, batch_tokens, batch_seconds, queue_wait = (
+        metric.labels(name)
+        for metric in (
+            metrics.batch_size,
+            metrics.batch_tokens,
+            metrics.batch_inference_seconds,
+            metrics.queue_wait_seconds,
+        )
+    )
+
     def on_batch(stats: BatchStats) -> None:
         admission.batch_ran(stats)
-        metrics.batch_size.labels(name).observe(stats.rows)
-        metrics.batch_tokens.labels(name).observe(stats.tokens)
-        metrics.batch_inference_seconds.labels(name).observe(stats.run_seconds)
+        batch_size.observe(stats.rows)
+        batch_tokens.observe(stats.tokens)
+        batch_seconds.observe(stats.run_seconds)
         for seconds in stats.queue_seconds:
-            metrics.queue_wait_seconds.labels(name).observe(seconds)
+            queue_wait.observe(seconds)
 
     limits = BatchLimits(
         max_batch_size=settings.max_batch_size,

@@ -127,9 +127,10 @@ async def classify(
     except Overloaded:
         await hold_refusal(state.settings.refusal_delay_seconds, deadline)
         raise
+    metrics = state.metrics
     for name in set(answered_by):
         chosen = adapters[name] or "none"
-        state.metrics.predictions.labels(name, chosen).inc(answered_by.count(name))
+        metrics.labelled(metrics.predictions, name, chosen).inc(answered_by.count(name))
     tiers = DEFAULT_TIER_NAMES if state.cache is None else state.cache.tier_names
     record.note_cache(result.tiers, tiers)
     return Done(result, answered_by, labels, adapter, model == CASCADE_NAME, tiers)

@@ -50,7 +50,7 @@ def screened(
         if item is not None and not isinstance(item, Rejected):
             item = rejection(item, shape) or item
         if isinstance(item, Rejected):
-            metrics.cache_rejected.labels(tier, item.reason).inc()
+            metrics.labelled(metrics.cache_rejected, tier, item.reason).inc()
             rejected += 1
             entries.append(None)
         else:
@@ -61,5 +61,5 @@ def screened(
     counts = (("hit", hits), ("miss", misses), ("rejected", rejected), ("error", errors))
     for result, count in counts:
         if count:
-            lookups.labels(tier, result).inc(count)
+            metrics.labelled(lookups, tier, result).inc(count)
     return entries
