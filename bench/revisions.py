@@ -24,10 +24,11 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.threads import PY_SPY, per_thread_us, thread_cpu_seconds, thread_names
 from bench.throughput import (
     CACHE_OFF,
     REPO,
@@ -40,6 +41,7 @@ from bench.throughput import (
     measure,
     raw_model,
     run_meta,
+    run_wrk,
     sample_texts,
     server,
     shown,
@@ -61,6 +63,10 @@ class Round:
     head: float
     raw: float
     raw_other_cores: float
+    # The event loop's CPU (the main thread's, from /proc) per request, µs: the front end's
+    # own work, which a forward shares the cores with; None when a point was measured twice.
+    base_loop_us: float | None
+    head_loop_us: float | None
 
     @property
     def base_vs_raw(self) -> float:
@@ -91,11 +97,15 @@ def checkout(revision: str) -> tuple[Path, str]:
     return folder, commit[:7]
 
 
+# What the server runs: a change elsewhere (docs, tests, benchmarks) changes no figure.
+SERVED_PATHS = ("api", "artifacts", "pyproject.toml", "requirements")
+
+
 def head_description() -> str:
-    """This checkout's commit, and whether its working tree differs from it."""
+    """This checkout's commit, and whether what the server runs differs from it."""
     commit = git("rev-parse", "--short=7", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return f"{commit} with uncommitted changes" if dirty else commit
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", *SERVED_PATHS)
+    return f"{commit} with uncommitted changes to the served code" if dirty else commit
 
 
 def rounds(
@@ -103,20 +113,39 @@ def rounds(
 ) -> list[Round]:
     """`count` rounds of base, head and raw, the order rotating."""
     names = ["base", "head", "raw"]
+    threads = {name: thread_names(target.pid) for name, target in servers.items()}
+    timed_only = replace(config, warmup=0.0)  # warmed up here, outside the CPU reading
     found: list[Round] = []
     for number in range(count):
         turn = number % len(names)
         order = names[turn:] + names[:turn]
         rate: dict[str, float] = {}
+        loop_us: dict[str, float | None] = {}
         other_cores = 0.0
         for name in order:
             if name == "raw":
                 measured = raw.measure(config.duration, ["batch32"])
                 rate["raw"], other_cores = measured["batch32"], measured["other_cores"]
-            else:
-                point = measure(name, servers[name], TARGET_CLIENTS, config, bodies)
-                rate[name] = point.requests_per_s
-        found.append(Round(order, rate["base"], rate["head"], round(rate["raw"], 1), other_cores))
+                continue
+            target = servers[name]
+            run_wrk(target.url, TARGET_CLIENTS, config.warmup, bodies)
+            before = thread_cpu_seconds(target.pid)
+            point = measure(name, target, TARGET_CLIENTS, timed_only, bodies)
+            after = thread_cpu_seconds(target.pid)
+            rate[name] = point.requests_per_s
+            spent = per_thread_us(before, after, threads[name], point.requests)
+            loop_us[name] = spent.get("MainThread") if point.attempts == 1 else None
+        found.append(
+            Round(
+                order,
+                rate["base"],
+                rate["head"],
+                round(rate["raw"], 1),
+                other_cores,
+                loop_us["base"],
+                loop_us["head"],
+            )
+        )
         print(json.dumps({"round": asdict(found[-1])}), flush=True)
     return found
 
@@ -145,21 +174,40 @@ def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> 
         "process. An idle one costs the others nothing.",
         "",
         "| round | order | base texts/s | head texts/s | raw texts/s | base / raw "
-        "| head / raw | head / base |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| head / raw | head / base | base loop µs/request | head loop µs/request |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for number, r in enumerate(found, start=1):
         lines.append(
             f"| {number} | {', '.join(r.order)} | {r.base:.1f} | {r.head:.1f} | {r.raw:.1f} "
-            f"| {r.base_vs_raw:.2f} | {r.head_vs_raw:.2f} | {r.head_vs_base:.2f} |"
+            f"| {r.base_vs_raw:.2f} | {r.head_vs_raw:.2f} | {r.head_vs_base:.2f} "
+            f"| {shown_us(r.base_loop_us)} | {shown_us(r.head_loop_us)} |"
         )
+    loops = {
+        name: [us for r in found if (us := getattr(r, f"{name}_loop_us")) is not None]
+        for name in ("base", "head")
+    }
     lines += [
         "",
         f"Medians of the rounds: served / raw **{median['base_vs_raw']:.2f}** (base) and "
         f"**{median['head_vs_raw']:.2f}** (head); head / base **{median['head_vs_base']:.2f}**.",
+        "The event loop's CPU a request (its thread's time in /proc over each timed run): "
+        f"**{shown_us(median_of(loops['base']))}** µs (base) and "
+        f"**{shown_us(median_of(loops['head']))}** µs (head), medians of the rounds. At "
+        f"{TARGET_CLIENTS} clients every client waits in the same batch, so the device waits "
+        "while the loop answers them and reads their next requests: that time is the gap "
+        "between batches.",
         "",
     ]
     return "\n".join(lines)
+
+
+def shown_us(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
+def median_of(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def parse_args(argv: list[str] | None) -> tuple[Config, str, int]:
@@ -187,8 +235,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     config, base_revision, count = parse_args(argv)
-    if shutil.which("wrk") is None:
-        print("wrk is needed: apt-get install -y wrk", file=sys.stderr)
+    if shutil.which("wrk") is None or shutil.which(PY_SPY) is None:
+        print("wrk and py-spy are needed: `make bench-revisions` installs both", file=sys.stderr)
         return 2
     stop_on_sigterm()
     WORK.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,62 @@
+"""CPU time of a process's threads, by their Python names: what each thread of a server
+spent per request over a load run (/proc for the time, `py-spy dump` for the names)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from bench.throughput import CLOCK_TICKS
+
+# The bench extra installs py-spy beside this Python, which need not be on PATH.
+PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Native thread id -> Python thread name, from `py-spy dump` (Python threads only)."""
+    dump = subprocess.run(
+        [PY_SPY, "dump", "--pid", str(pid), "--json"], capture_output=True, text=True
+    )
+    if dump.returncode != 0:
+        raise RuntimeError(f"py-spy dump failed: {dump.stderr.strip()}")
+    return {
+        int(thread["os_thread_id"]): str(thread["thread_name"] or "")
+        for thread in json.loads(dump.stdout)
+        if thread.get("os_thread_id")
+    }
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Per native thread: its command name and user + system CPU seconds."""
+    threads: dict[int, tuple[str, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        after = text.rsplit(")", 1)[1].split()
+        threads[int(task.name)] = (name, (int(after[11]) + int(after[12])) / CLOCK_TICKS)
+    return threads
+
+
+def per_thread_us(
+    before: dict[int, tuple[str, float]],
+    after: dict[int, tuple[str, float]],
+    names: dict[int, str],
+    requests: int,
+) -> dict[str, float]:
+    """CPU µs per request by thread (Python name where known, else the kernel's), summed
+    over threads of one name; threads that used none are left out."""
+    spent: Counter[str] = Counter()
+    for tid, (comm, seconds) in after.items():
+        used = seconds - before.get(tid, (comm, 0.0))[1]
+        if used > 0:
+            spent[names.get(tid) or f"{comm} (native)"] += used
+    return {
+        name: round(1e6 * seconds / max(requests, 1), 1) for name, seconds in spent.most_common()
+    }
