@@ -2,11 +2,12 @@
 turn with the raw model in every round: how far a change moved served / raw.
 
 Run: `python -m bench.revisions --base <revision>` (or `make bench-revisions BASE=<revision>`).
-It checks the base revision out into a git worktree under bench/out/ (git-ignored), starts
-that checkout's server and this checkout's (`python -m api.cli`, caches off, as
-bench.throughput's "served"), and the raw model (bench.raw_model) in its own process. Each
-round measures the three at 32 clients, one text a request, in an order that rotates; the
-report gives each round's texts/s, each revision's served / raw, and head / base.
+It checks the base revision out into a git worktree under bench/out/ (git-ignored) and starts
+the raw model (bench.raw_model) in its own process. Each round starts that checkout's server
+and this checkout's afresh (`python -m api.cli`, caches off, as bench.throughput's "served")
+and measures the three at 32 clients, one text a request, in an order that rotates; the
+report gives each round's texts/s, each revision's served / raw, head / base, and the event
+loop's CPU per request of each server.
 
 Why not two runs of bench.throughput: on a shared machine the raw model's own rate moves by
 a quarter between rounds minutes apart (measured here: 658 to 830 texts/s in one run), which
@@ -109,45 +110,59 @@ def head_description() -> str:
 
 
 def rounds(
-    config: Config, servers: dict[str, RunningServer], raw: RawModel, bodies: Path, count: int
+    config: Config, code: dict[str, Path], raw: RawModel, bodies: Path, count: int
 ) -> list[Round]:
-    """`count` rounds of base, head and raw, the order rotating."""
+    """`count` rounds of base, head and raw, the order rotating, each round with both
+    servers started afresh: one server process kept its rate ~10 % above or below the other
+    for its whole life (three runs with the same two processes each gave head / base 0.92,
+    1.01 and 1.11, every round of a run on the same side), so a run of long-lived processes
+    measures their placement as much as their code."""
+    found: list[Round] = []
+    for number in range(count):
+        with ExitStack() as stack:
+            servers = {
+                name: stack.enter_context(server(name, CACHE_OFF, config.threads, folder))
+                for name, folder in code.items()
+            }
+            found.append(one_round(config, servers, raw, bodies, number))
+        print(json.dumps({"round": asdict(found[-1])}), flush=True)
+    return found
+
+
+def one_round(
+    config: Config, servers: dict[str, RunningServer], raw: RawModel, bodies: Path, number: int
+) -> Round:
+    """Base, head and raw, in the order of round `number`."""
     names = ["base", "head", "raw"]
     threads = {name: thread_names(target.pid) for name, target in servers.items()}
     timed_only = replace(config, warmup=0.0)  # warmed up here, outside the CPU reading
-    found: list[Round] = []
-    for number in range(count):
-        turn = number % len(names)
-        order = names[turn:] + names[:turn]
-        rate: dict[str, float] = {}
-        loop_us: dict[str, float | None] = {}
-        other_cores = 0.0
-        for name in order:
-            if name == "raw":
-                measured = raw.measure(config.duration, ["batch32"])
-                rate["raw"], other_cores = measured["batch32"], measured["other_cores"]
-                continue
-            target = servers[name]
-            run_wrk(target.url, TARGET_CLIENTS, config.warmup, bodies)
-            before = thread_cpu_seconds(target.pid)
-            point = measure(name, target, TARGET_CLIENTS, timed_only, bodies)
-            after = thread_cpu_seconds(target.pid)
-            rate[name] = point.requests_per_s
-            spent = per_thread_us(before, after, threads[name], point.requests)
-            loop_us[name] = spent.get("MainThread") if point.attempts == 1 else None
-        found.append(
-            Round(
-                order,
-                rate["base"],
-                rate["head"],
-                round(rate["raw"], 1),
-                other_cores,
-                loop_us["base"],
-                loop_us["head"],
-            )
-        )
-        print(json.dumps({"round": asdict(found[-1])}), flush=True)
-    return found
+    turn = number % len(names)
+    order = names[turn:] + names[:turn]
+    rate: dict[str, float] = {}
+    loop_us: dict[str, float | None] = {}
+    other_cores = 0.0
+    for name in order:
+        if name == "raw":
+            measured = raw.measure(config.duration, ["batch32"])
+            rate["raw"], other_cores = measured["batch32"], measured["other_cores"]
+            continue
+        target = servers[name]
+        run_wrk(target.url, TARGET_CLIENTS, config.warmup, bodies)
+        before = thread_cpu_seconds(target.pid)
+        point = measure(name, target, TARGET_CLIENTS, timed_only, bodies)
+        after = thread_cpu_seconds(target.pid)
+        rate[name] = point.requests_per_s
+        spent = per_thread_us(before, after, threads[name], point.requests)
+        loop_us[name] = spent.get("MainThread") if point.attempts == 1 else None
+    return Round(
+        order,
+        rate["base"],
+        rate["head"],
+        round(rate["raw"], 1),
+        other_cores,
+        loop_us["base"],
+        loop_us["head"],
+    )
 
 
 def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> str:
@@ -170,8 +185,8 @@ def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> 
         f"{meta['config']['warmup']:g} s warm-up.",
         f"- Model: {meta['model']}. Both servers `python -m api.cli` with "
         "LRU_CACHE_ENTRIES=0, DISK_CACHE_MAX_BYTES=0 (every other setting as each revision "
-        "ships it), up side by side; the raw model (bench.raw_model, batch 32) in its own "
-        "process. An idle one costs the others nothing.",
+        "ships it), both started afresh in every round; the raw model (bench.raw_model, "
+        "batch 32) in its own process. An idle one costs the others nothing.",
         "",
         "| round | order | base texts/s | head texts/s | raw texts/s | base / raw "
         "| head / raw | head / base | base loop µs/request | head loop µs/request |",
@@ -245,12 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     head = head_description()
     load = wait_for_quiet(config.load_wait)
     bodies = write_bodies(sample_texts(config.texts), WORK / "bodies.jsonl")
-    with raw_model(config, bodies) as model, ExitStack() as stack:
-        servers = {
-            "base": stack.enter_context(server("base", CACHE_OFF, config.threads, base_code)),
-            "head": stack.enter_context(server("head", CACHE_OFF, config.threads)),
-        }
-        found = rounds(config, servers, model, bodies, count)
+    with raw_model(config, bodies) as model:
+        found = rounds(config, {"base": base_code, "head": REPO}, model, bodies, count)
         described = model.described
     meta = run_meta(
         "bench.revisions", argv, load, "spam-minilm (as each revision ships it)", config, started
