@@ -63,16 +63,6 @@ class GpuMemoryCollector(Collector):
 class Metrics:
     """The service's metrics. One instance per app, so tests can build many apps."""
 
-    def labelled(self, metric: MetricWrapperBase, *values: str) -> Any:
-        """`metric.labels(*values)`, looked up once per label values: `labels()` takes a lock
-        and builds its key on every call, and the request path counts several series a
-        request. (No series of this service is ever removed, so none goes stale here.)"""
-        key = (id(metric), values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*values)
-        return child
-
     def __init__(self, latency_target_seconds: float) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry()
@@ -228,6 +218,16 @@ class Metrics:
         self.requests_over_target.labels("/predict")
         for reason in set(REJECTION_REASON_BY_STATUS.values()):
             self.rejections.labels(reason)
+
+    def labelled(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once per label values: `labels()` takes a lock
+        and builds its key on every call, and the request path counts several series a
+        request. (No series of this service is ever removed, so none goes stale here.)"""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
 
 # The names dashboards and alerts use; tests pin them so a rename cannot pass unnoticed.

@@ -166,11 +166,14 @@ class _Request:
     batches' spans."""
 
     rows: int
-    unanswered: int
     done: asyncio.Future[None]
-    unsettled: int
     trace: SpanContext | None = None
     submitted: float = 0.0
+    unanswered: int = field(init=False)
+    unsettled: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unanswered = self.unsettled = self.rows
 
     def settled(self) -> None:
         """One of its rows has its result or exception (or was dropped)."""
@@ -322,14 +325,7 @@ class Batcher(Generic[Result]):
             if row.waiters == 1 and _is_pending(row):
                 self._waited_lengths[len(row.ids)] += 1
             mine.append(row)
-        request = _Request(
-            len(mine),
-            len(mine),
-            loop.create_future(),
-            len(mine),
-            tracing.current_span_context(),
-            now,
-        )
+        request = _Request(len(mine), loop.create_future(), tracing.current_span_context(), now)
         for row in mine:
             row.requests.append(request)
         self._requests += 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from api.http.state import Phase, ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
 
@@ -57,20 +55,6 @@ class RequestMetrics:
         self.state = state
         self.metrics = state.metrics
         self.target_seconds = state.settings.latency_target_seconds
-        # Each (route, status)'s series, looked up once: `labels()` takes a lock and builds a
-        # key on every call, a measurable share of a cache hit's time.
-        self._series: dict[tuple[str, int], tuple[Any, Any]] = {}
-
-    def series(self, route: str, status: int) -> tuple[Any, Any]:
-        """The duration histogram and request counter of one route and status."""
-        found = self._series.get((route, status))
-        if found is None:
-            found = (
-                self.metrics.request_duration_seconds.labels(route, str(status)),
-                self.metrics.requests.labels(route, str(status)),
-            )
-            self._series[(route, status)] = found
-        return found
 
     def began(self) -> bool:
         """Counts a request in flight; True when the drain is to wait for it.
@@ -91,14 +75,15 @@ class RequestMetrics:
         self.metrics.requests_in_flight.dec()
         if holds_drain:
             self.state.in_flight -= 1
-        duration, count = self.series(route, status)
+        metrics, code = self.metrics, str(status)
+        duration = metrics.labelled(metrics.request_duration_seconds, route, code)
         # A sampled trace's id as the exemplar: a slow bucket leads to a slow request.
         if trace_id is not None:
             duration.observe(seconds, {"trace_id": trace_id})
         else:
             duration.observe(seconds)
-        count.inc()
+        metrics.labelled(metrics.requests, route, code).inc()
         if seconds > self.target_seconds:
-            self.metrics.requests_over_target.labels(route).inc()
+            metrics.labelled(metrics.requests_over_target, route).inc()
         if (reason := REJECTION_REASON_BY_STATUS.get(status)) is not None and route not in PROBES:
-            self.metrics.rejections.labels(reason).inc()
+            metrics.labelled(metrics.rejections, reason).inc()
