@@ -47,6 +47,7 @@ from bench.throughput import (
     FRESH_LUA,
     REPORTS,
     WORK,
+    in_turn,
     machine,
     process_cpu_seconds,
     sample_texts,
@@ -198,9 +199,6 @@ def cpu_by_stage(samples: dict[int, Counter[str]], cpu: dict[int, float]) -> Cou
     return stages
 
 
-# --- threads -------------------------------------------------------------------------------
-
-
 # --- load ----------------------------------------------------------------------------------
 
 
@@ -316,7 +314,7 @@ def run(
             wrk(f"{target.url}/health", CLIENTS, 1, HEALTH_LUA, {})
         names = list(targets)
         for number in range(rounds):
-            for name in names[number % len(names) :] + names[: number % len(names)]:
+            for name in in_turn(names, number):
                 url, pid = targets[name].url, targets[name].pid
                 health[name].append(
                     load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {})

@@ -39,6 +39,7 @@ from bench.throughput import (
     Config,
     RawModel,
     RunningServer,
+    in_turn,
     measure,
     raw_model,
     run_meta,
@@ -136,8 +137,7 @@ def one_round(
     names = ["base", "head", "raw"]
     threads = {name: thread_names(target.pid) for name, target in servers.items()}
     timed_only = replace(config, warmup=0.0)  # warmed up here, outside the CPU reading
-    turn = number % len(names)
-    order = names[turn:] + names[:turn]
+    order = in_turn(names, number)
     rate: dict[str, float] = {}
     loop_us: dict[str, float | None] = {}
     other_cores = 0.0

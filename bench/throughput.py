@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -93,6 +93,7 @@ BUSY_LOAD = 1.0  # a 1-min load average above this means someone else is using t
 # machine is shared, and a test run or a training job starting mid-run skews one point.
 OTHER_CORES_MAX = 0.25
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -480,6 +481,12 @@ def to_point(
     )
 
 
+def in_turn(items: list[Item], number: int) -> list[Item]:
+    """`items` in the order of round `number`: A B C, then B C A, then C A B, …"""
+    turn = number % len(items)
+    return items[turn:] + items[:turn]
+
+
 def served_and_naive(
     config: Config, bodies: Path, raw: RawModel
 ) -> tuple[list[Point], list[RawRound]]:
@@ -495,8 +502,7 @@ def served_and_naive(
             for name, env in envs.items()
         ]
         for index, clients in enumerate(config.concurrency):
-            turn = index % len(systems)  # A B C, B C A, C A B, …
-            for system, target in systems[turn:] + systems[:turn]:
+            for system, target in in_turn(systems, index):
                 point = measure(system, target, clients, config, bodies)
                 print(json.dumps(asdict(point)), flush=True)
                 points.append(point)
