@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,14 @@ from api.serving.cache.tier import screened
 from api.serving.cache.verify import AnswerShape, Rejected
 
 logger = logging.getLogger(__name__)
+
+# How long the writer lets answers gather before it takes them into one transaction. Much
+# of a transaction's cost is its commit: an entry cost ~62 µs of CPU written alone and ~23 µs
+# among 64 (2 cores), and a batch's requests store their answers milliseconds apart, so
+# without the wait most commits held one entry. Each commit also makes the event loop's next
+# read start from a cold sqlite page cache. The LRU tier in front answers repeats meanwhile:
+# only another process sees an entry this much later.
+WRITE_GATHER_SECONDS = 0.02
 
 
 class DiskTier:
@@ -109,6 +118,7 @@ class DiskTier:
 
     def _drain(self) -> None:
         while True:
+            time.sleep(WRITE_GATHER_SECONDS)
             with self._backlog_lock:
                 pending, self._backlog = self._backlog, []
                 if not pending:
