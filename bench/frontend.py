@@ -19,9 +19,10 @@ bench/reports/frontend.{md,json}. In one run:
   each thread's CPU time in that run (/proc) is shared out by its samples. Profiled, the
   server runs slower; the shares, not that run's rate, are the point.
 
-With `--base <revision>` that revision's server (a git worktree under bench/out/) runs beside
-this checkout's, the two taking turns in every round, and each is profiled: the report adds
-both, before and after, as measured in the same run.
+Each round starts the server afresh (one process kept its rates ~10 % above or below another's
+for its whole life). With `--base <revision>` that revision's server (a git worktree under
+bench/out/) takes turns with this checkout's in every round, and each is profiled: the report
+adds both, before and after, as measured in the same run.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import subprocess
 import time
 import uuid
 from collections import Counter
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -304,28 +304,24 @@ def run(
     health: dict[str, list[LoadPoint]] = {name: [] for name in code}
     predict: dict[str, list[LoadPoint]] = {name: [] for name in code}
     profiled: dict[str, dict[str, Any]] = {}
-    with ExitStack() as stack:
-        targets = {
-            name: stack.enter_context(server(f"frontend-{name}", env, threads=1, code=folder))
-            for name, folder in code.items()
-        }
-        for target in targets.values():  # warm-ups
-            wrk(target.url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
-            wrk(f"{target.url}/health", CLIENTS, 1, HEALTH_LUA, {})
-        names = list(targets)
-        for number in range(rounds):
-            for name in in_turn(names, number):
-                url, pid = targets[name].url, targets[name].pid
+    names = list(code)
+    for number in range(rounds):
+        # Each revision's server is started afresh in every round: one server process kept
+        # its rates ~10 % above or below another's for its whole life.
+        for name in in_turn(names, number):
+            with server(f"frontend-{name}", env, threads=1, code=code[name]) as target:
+                url, pid = target.url, target.pid
+                wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
+                wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
                 health[name].append(
                     load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {})
                 )
                 predict[name].append(
                     load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts))
                 )
-        for name, target in targets.items():
-            profiled[name] = profile(
-                target.url, target.pid, profile_seconds, texts, scratch / f"profile-{name}.txt"
-            )
+                if number == rounds - 1:
+                    raw_path = scratch / f"profile-{name}.txt"
+                    profiled[name] = profile(url, pid, profile_seconds, texts, raw_path)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {**machine(), "py_spy": version("py-spy")},
@@ -354,6 +350,7 @@ def summary(
     return {
         "ratio": round(statistics.median(ratios), 3),
         "ratios": [round(ratio, 3) for ratio in ratios],
+        "predict_cpu_us_median": statistics.median(p.server_cpu_us_per_request for p in predict),
         "median_round": {"health": asdict(health[median]), "predict": asdict(predict[median])},
         "health": [asdict(point) for point in health],
         "predict": [asdict(point) for point in predict],
@@ -428,18 +425,21 @@ def comparison(result: dict[str, Any]) -> list[str]:
         "",
         f"## Before and after: {base['revision']} and {base['head']}, in this run",
         "",
-        f"Both servers up side by side, taking turns in each of the {len(base['ratios'])} "
-        "rounds (the median round's figures; each revision's own profiled run for the stages).",
+        f"Each revision's server started afresh in each of the {len(base['ratios'])} rounds, "
+        "the two taking turns (the median round's rates and p99; the ratio and the server CPU "
+        "a /predict are medians of the rounds; each revision's own profiled run, in the last "
+        "round, for the stages).",
         "",
-        "| | /health req/s | /predict req/s | ratio (median of rounds) | /predict p99 ms "
+        "| | /health req/s | /predict req/s | ratio | ratio of each round | /predict p99 ms "
         "| server CPU µs a /predict |",
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for name, found in ((base["revision"], base), (base["head"], result)):
         h, p = found["median_round"]["health"], found["median_round"]["predict"]
         lines.append(
             f"| {name} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
-            f"| {found['ratio']} | {p['p99_ms']} | {p['server_cpu_us_per_request']} |"
+            f"| {found['ratio']} | {found['ratios']} | {p['p99_ms']} "
+            f"| {found['predict_cpu_us_median']} |"
         )
     before, after = base["profile"]["stages"], result["profile"]["stages"]
     lines += [
