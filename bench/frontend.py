@@ -441,6 +441,17 @@ def comparison(result: dict[str, Any]) -> list[str]:
             f"| {found['ratio']} | {found['ratios']} | {p['p99_ms']} "
             f"| {found['predict_cpu_us_median']} |"
         )
+    lines += [
+        "",
+        "CPU µs a /predict by thread (/proc, medians of the rounds):",
+        "",
+        f"| thread | {base['revision']} | {base['head']} |",
+        "|---|---:|---:|",
+    ]
+    medians = [thread_medians(found["predict"]) for found in (base, result)]
+    for thread in dict.fromkeys([*medians[0], *medians[1]]):
+        was, now = (found.get(thread, 0.0) for found in medians)
+        lines.append(f"| {thread} | {was} | {now} |")
     before, after = base["profile"]["stages"], result["profile"]["stages"]
     lines += [
         "",
@@ -458,6 +469,15 @@ def comparison(result: dict[str, Any]) -> list[str]:
         f"| {result['profile']['server_cpu_us_per_request']} |"
     )
     return lines
+
+
+def thread_medians(points: list[dict[str, Any]]) -> dict[str, float]:
+    """Each thread's CPU µs a request, the median of the rounds (0 where a round lacks it)."""
+    threads = dict.fromkeys(name for point in points for name in point["thread_cpu_us_per_request"])
+    return {
+        name: statistics.median(p["thread_cpu_us_per_request"].get(name, 0.0) for p in points)
+        for name in threads
+    }
 
 
 def main() -> None:
