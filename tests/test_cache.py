@@ -219,7 +219,7 @@ async def test_answers_stored_within_the_gather_window_share_one_transaction(
 ) -> None:
     # A batch's requests store their answers a few at a time, milliseconds apart: the writer
     # lets them gather before it commits, since a commit of one entry costs ~2.7 times the
-    # CPU an entry costs among fifty. The window is widened here so that a slow machine
+    # CPU an entry costs among 64. The window is widened here so that a slow machine
     # still stores all 40 inside it.
     monkeypatch.setattr(disk, "WRITE_GATHER_SECONDS", 0.5)
     folder = tmp_path / "disk"
