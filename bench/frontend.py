@@ -47,6 +47,7 @@ from bench.throughput import (
     FRESH_LUA,
     REPORTS,
     WORK,
+    children_cpu_seconds,
     in_turn,
     machine,
     process_cpu_seconds,
@@ -143,6 +144,8 @@ class LoadPoint:
     statuses: dict[str, int]
     socket_errors: int
     server_cpu_us_per_request: float
+    server_cores: float  # the server's CPU seconds a second of the run
+    client_cpu_us_per_request: float  # wrk's own
     thread_cpu_us_per_request: dict[str, float]
 
 
@@ -208,8 +211,10 @@ def load_point(
     """One wrk run of `CLIENTS` connections, with the server's CPU by thread around it."""
     names = thread_names(pid)
     threads_before, cpu_before = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    client_before = children_cpu_seconds()
     summary = wrk(url, CLIENTS, seconds, script, env)
     threads_after, cpu_after = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    client_used = children_cpu_seconds() - client_before
     requests, duration = summary["requests"], summary["duration_us"] / 1e6
     latency = summary["latency_us"]
     return LoadPoint(
@@ -222,6 +227,8 @@ def load_point(
         statuses={str(k): int(v) for k, v in summary["statuses"].items()},
         socket_errors=sum(summary["socket_errors"].values()),
         server_cpu_us_per_request=round(1e6 * (cpu_after - cpu_before) / max(requests, 1), 1),
+        server_cores=round((cpu_after - cpu_before) / duration, 2),
+        client_cpu_us_per_request=round(1e6 * client_used / max(requests, 1), 1),
         thread_cpu_us_per_request=per_thread_us(threads_before, threads_after, names, requests),
     )
 
@@ -374,13 +381,15 @@ def report(result: dict[str, Any]) -> str:
         f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health "
         "and /predict alternating; /predict sends one text never sent before a request.",
         "",
-        "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request |",
-        "|---|---|---|---|---|---|",
+        "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request | server cores "
+        "| wrk CPU µs/request |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for point in (h, p):
         lines.append(
             f"| {point['route']} | {point['requests_per_s']:,.0f} | {point['p50_ms']} | "
-            f"{point['p99_ms']} | {point['statuses']} | {point['server_cpu_us_per_request']} |"
+            f"{point['p99_ms']} | {point['statuses']} | {point['server_cpu_us_per_request']} | "
+            f"{point['server_cores']} | {point['client_cpu_us_per_request']} |"
         )
     target = result["targets"]
     lines += [
