@@ -22,6 +22,7 @@ import diskcache
 import httpx
 import pytest
 import torch
+from diskcache.core import MODE_RAW
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -186,6 +187,14 @@ class Canary:
         return open, (str(self.path), "w")
 
 
+def holds_text(folder: Path) -> bool:
+    """Whether the disk tier's one row holds text (diskcache's MODE_RAW), read from sqlite
+    directly: through the tier, a planted row would be read (and rejected) again."""
+    with sqlite3.connect(folder / "cache.db") as database:
+        modes = [mode for (mode,) in database.execute("SELECT mode FROM Cache")]
+    return modes == [MODE_RAW]
+
+
 def test_a_pickled_disk_row_is_never_unpickled_nor_its_file_deleted(
     tiny_bert: TinyModel, tmp_path: Path
 ) -> None:
@@ -217,7 +226,10 @@ def test_a_pickled_disk_row_is_never_unpickled_nor_its_file_deleted(
                 with sqlite3.connect(folder / "cache.db") as database:
                     database.execute("UPDATE Cache SET filename = ?", (str(victim),))
             answers.append(predict(server.url, TEXTS[0]))
-            wait_for(disk_answers, 10, "the row overwritten with the answer")
+            # The answer is written after the writer's gathering wait: until then a read
+            # would meet the planted row again (and count one more rejection).
+            wait_for(lambda: holds_text(folder), 10, "the row overwritten with the answer")
+            assert disk_answers()
         rejected = metric(server.url, "loraserve_cache_rejected_total", tier="disk")
         reference = predict(server.url, TEXTS[0], cache=False).json()
     assert not canary.exists(), "the server unpickled a row of its disk cache"
