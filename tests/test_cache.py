@@ -19,6 +19,7 @@ from api.metrics import Metrics
 from api.models.spec import AdapterSpec
 from api.serving.cache import disk
 from api.serving.cache.disk import DiskTier
+from api.serving.cache.entry import Entry
 from api.serving.cache.lru import LruTier
 from api.serving.cache.verify import AnswerShape
 from tests.conftest import serving as serve
@@ -169,6 +170,28 @@ async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
     assert took < 1.5, f"a read waited {took:.2f} s for the writer's lock"
 
 
+def commit_sizes(tier: DiskTier) -> list[int]:
+    """The number of entries in each of the tier's write transactions, from now on."""
+    sizes: list[int] = []
+    write = tier._write
+
+    def counted(pending: list[tuple[str, Entry]]) -> None:
+        sizes.append(len(pending))
+        write(pending)
+
+    tier._write = counted  # type: ignore[method-assign]
+    return sizes
+
+
+async def read_back(folder: Path, keys: list[str]) -> list[Entry | None]:
+    """What a new tier on `folder` holds for `keys`: what the closed one wrote."""
+    reopened = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
+    try:
+        return await reopened.get_many(keys, AnswerShape(labels=2))
+    finally:
+        await reopened.close()
+
+
 async def test_entries_stored_while_a_commit_waits_go_into_one_next_transaction(
     tmp_path: Path,
 ) -> None:
@@ -177,14 +200,7 @@ async def test_entries_stored_while_a_commit_waits_go_into_one_next_transaction(
     folder = tmp_path / "disk"
     tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
     holding, release = threading.Event(), threading.Event()
-    commits: list[int] = []
-    write = tier._write
-
-    def counted(pending: list[tuple[str, tuple[tuple[float, ...], tuple[float, ...]]]]) -> None:
-        commits.append(len(pending))
-        write(pending)
-
-    tier._write = counted  # type: ignore[method-assign]
+    commits = commit_sizes(tier)
 
     def locker() -> None:
         other = diskcache.Cache(str(folder))
@@ -206,11 +222,8 @@ async def test_entries_stored_while_a_commit_waits_go_into_one_next_transaction(
         release.set()
         thread.join()
     await tier.close()  # waits for the writer to drain
-    reopened = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
     keys = ["first"] + [f"text-{index}" for index in range(40)]
-    found = await reopened.get_many(keys, AnswerShape(labels=2))
-    await reopened.close()
-    assert found == [entry] * len(keys)
+    assert await read_back(folder, keys) == [entry] * len(keys)
     assert commits == [1, 40]
 
 
@@ -224,24 +237,14 @@ async def test_answers_stored_within_the_gather_window_share_one_transaction(
     monkeypatch.setattr(disk, "WRITE_GATHER_SECONDS", 0.5)
     folder = tmp_path / "disk"
     tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
-    commits: list[int] = []
-    write = tier._write
-
-    def counted(pending: list[tuple[str, tuple[tuple[float, ...], tuple[float, ...]]]]) -> None:
-        commits.append(len(pending))
-        write(pending)
-
-    tier._write = counted  # type: ignore[method-assign]
+    commits = commit_sizes(tier)
     entry = ((0.25, 0.75), (0.0, math.log(3)))
     keys = [f"text-{index}" for index in range(40)]
     for key in keys:
         tier.put_many([key], [entry])
         await asyncio.sleep(0.001)  # the next request's answer, a moment later
     await tier.close()  # waits for the writer to drain
-    reopened = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
-    found = await reopened.get_many(keys, AnswerShape(labels=2))
-    await reopened.close()
-    assert found == [entry] * len(keys)
+    assert await read_back(folder, keys) == [entry] * len(keys)
     assert commits == [40]
 
 
