@@ -15,7 +15,9 @@ from api import __version__
 from api.http.errors import install_error_handlers
 from api.http.middleware.auth import ApiKeyGuard
 from api.http.middleware.body_limit import BodySizeLimit
+from api.http.middleware.direct import DirectRoutes
 from api.http.routes import ROUTERS
+from api.http.routes.common import OwnBodyRoute
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
 from api.models.faults import is_fatal_device_error
@@ -94,7 +96,11 @@ def create_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
-    # Added last = runs first.
+    # Added last = runs first. Innermost: the hot routes, answered without FastAPI's router.
+    direct = [
+        route for router in ROUTERS for route in router.routes if isinstance(route, OwnBodyRoute)
+    ]
+    app.add_middleware(DirectRoutes, routes=direct, handlers=app.exception_handlers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Always: without ADMIN_API_KEY it keeps the adapter routes closed.
     api_key, admin_key = (
