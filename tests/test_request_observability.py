@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -371,3 +373,39 @@ def test_tracing_is_on_only_where_an_exporter_is_configured(
 def test_an_exporter_it_does_not_have_is_refused() -> None:
     with pytest.raises(tracing.TracingConfigError, match="zipkin"):
         tracing.wanted({"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+GLOBAL_PROVIDER_SCRIPT = """
+from fastapi.testclient import TestClient
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from api.http.app import create_app
+from api.settings import Settings
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)  # as opentelemetry-instrument does
+app = create_app(Settings(_env_file=None, disk_cache_max_bytes=0))
+with TestClient(app) as client:
+    while client.get("/ready").status_code != 200:
+        pass
+    answers = [client.get("/health"), client.post("/predict", json={"inputs": "win a prize"})]
+print([a.status_code for a in answers], [s.name for s in exporter.get_finished_spans()])
+"""
+
+
+def test_fastapis_own_telemetry_adds_nothing_where_a_global_provider_is_set() -> None:
+    # A process-wide provider cannot be unset: the app runs in a process of its own. FastAPI
+    # would otherwise add spans of its own ("GET /health", ...) beside the service's.
+    ran = subprocess.run(
+        [sys.executable, "-c", GLOBAL_PROVIDER_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert ran.stdout.strip().splitlines()[-1] == "[200, 200] []"

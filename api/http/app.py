@@ -91,6 +91,11 @@ def create_app(
         version=__version__,
         description="Text classification with LoRA adapters (text-embeddings-inference API).",
         lifespan=lifespan,
+        # The service traces, counts and logs its requests itself (api.observability):
+        # FastAPI's own OpenTelemetry, on wherever a global provider is set (as
+        # `opentelemetry-instrument` sets one), would add a second span and set of metrics to
+        # each request, and its check for a provider costs every request a few µs.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.service = state
     install_error_handlers(app)
