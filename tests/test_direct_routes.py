@@ -39,11 +39,12 @@ async def echo(request: Request) -> Response:
 
 
 class RouterCalls:
-    """Counts the requests that reach the app inside DirectRoutes (FastAPI's routing)."""
+    """Notes the path of each request that reaches the app inside DirectRoutes (FastAPI's
+    routing) in `paths`."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, paths: list[str]) -> None:
         self.app = app
-        self.paths: list[str] = []
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -51,43 +52,46 @@ class RouterCalls:
         await self.app(scope, receive, send)
 
 
-def make_app(direct: bool, calls: list[RouterCalls]) -> FastAPI:
+def make_app(direct: bool, routed: list[str]) -> FastAPI:
     """A small app with one OwnBodyRoute and the service's error handlers; with `direct`,
-    DirectRoutes answers that route."""
+    DirectRoutes answers that route. The paths FastAPI's routing sees go into `routed`."""
     app = FastAPI()
     install_error_handlers(app)
     router = APIRouter(route_class=OwnBodyRoute)
     router.post("/echo")(echo)
     app.include_router(router)
-
-    def counted(app: ASGIApp) -> RouterCalls:
-        calls.append(RouterCalls(app))
-        return calls[-1]
-
-    app.add_middleware(counted)  # type: ignore[arg-type]
+    app.add_middleware(RouterCalls, paths=routed)
     if direct:
         app.add_middleware(DirectRoutes, routes=router.routes, handlers=app.exception_handlers)
     return app
 
 
-CALLS: dict[str, Callable[[TestClient], httpx.Response]] = {
-    "answer": lambda c: c.post("/echo", json={"text": "hello"}),
-    "service error": lambda c: c.post("/echo", json={"text": "missing"}),
-    "HTTP exception": lambda c: c.post("/echo", json={"text": "teapot"}),
-    "unexpected error": lambda c: c.post("/echo", json={"text": "boom"}),
-    "invalid body": lambda c: c.post("/echo", json={"text": 3}),
-    "not JSON": lambda c: c.post(
-        "/echo", content=b"{", headers={"content-type": "application/json"}
+Sender = Callable[[TestClient], httpx.Response]
+# Each request, the status FastAPI's routing answers it with, and whether it is the router's
+# (no hot route matches it) rather than DirectRoutes'.
+CASES: dict[str, tuple[Sender, int, bool]] = {
+    "answer": (lambda c: c.post("/echo", json={"text": "hello"}), 200, False),
+    "service error": (lambda c: c.post("/echo", json={"text": "missing"}), 404, False),
+    "HTTP exception": (lambda c: c.post("/echo", json={"text": "teapot"}), 418, False),
+    "unexpected error": (lambda c: c.post("/echo", json={"text": "boom"}), 500, False),
+    "invalid body": (lambda c: c.post("/echo", json={"text": 3}), 422, False),
+    "not JSON": (
+        lambda c: c.post("/echo", content=b"{", headers={"content-type": "application/json"}),
+        422,
+        False,
     ),
-    "not a JSON type": lambda c: c.post(
-        "/echo", content=b"hi", headers={"content-type": "text/plain"}
+    "not a JSON type": (
+        lambda c: c.post("/echo", content=b"hi", headers={"content-type": "text/plain"}),
+        422,
+        False,
     ),
-}
-# Requests no hot route matches: FastAPI's router answers them, whichever app.
-NOT_HOT: dict[str, Callable[[TestClient], httpx.Response]] = {
-    "another method": lambda c: c.get("/echo"),
-    "a trailing slash": lambda c: c.post("/echo/", json={"text": "x"}, follow_redirects=False),
-    "another path": lambda c: c.post("/nowhere", json={"text": "x"}),
+    "another method": (lambda c: c.get("/echo"), 405, True),
+    "a trailing slash": (
+        lambda c: c.post("/echo/", json={"text": "x"}, follow_redirects=False),
+        307,
+        True,
+    ),
+    "another path": (lambda c: c.post("/nowhere", json={"text": "x"}), 404, True),
 }
 
 
@@ -97,50 +101,38 @@ def comparable(response: httpx.Response) -> tuple[int, dict[str, str], bytes]:
 
 
 @pytest.fixture(scope="module")
-def clients() -> dict[bool, tuple[TestClient, list[RouterCalls]]]:
-    made: dict[bool, tuple[TestClient, list[RouterCalls]]] = {}
+def clients() -> dict[bool, tuple[TestClient, list[str]]]:
+    made: dict[bool, tuple[TestClient, list[str]]] = {}
     for direct in (False, True):
-        calls: list[RouterCalls] = []
-        made[direct] = (TestClient(make_app(direct, calls), raise_server_exceptions=False), calls)
+        routed: list[str] = []
+        made[direct] = (TestClient(make_app(direct, routed), raise_server_exceptions=False), routed)
     return made
 
 
-@pytest.mark.parametrize("case", list(CALLS))
-def test_a_hot_route_answers_as_fastapis_routing_does_without_reaching_it(
-    clients: dict[bool, tuple[TestClient, list[RouterCalls]]], case: str
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_request_is_answered_as_fastapis_routing_answers_it(
+    clients: dict[bool, tuple[TestClient, list[str]]], case: str
 ) -> None:
-    routed, _ = clients[False]
-    direct, calls = clients[True]
-    expected = comparable(CALLS[case](routed))
-    assert comparable(CALLS[case](direct)) == expected
-    assert expected[0] in (200, 404, 418, 422, 500)  # each case is the answer it names
-    (inner,) = calls
-    assert inner.paths == []  # answered by DirectRoutes, never by the router
-
-
-@pytest.mark.parametrize("case", list(NOT_HOT))
-def test_other_requests_go_on_to_fastapis_routing(
-    clients: dict[bool, tuple[TestClient, list[RouterCalls]]], case: str
-) -> None:
-    routed, _ = clients[False]
-    direct, calls = clients[True]
-    (inner,) = calls
-    before = len(inner.paths)
-    expected = comparable(NOT_HOT[case](routed))
-    assert comparable(NOT_HOT[case](direct)) == expected
-    assert expected[0] in (307, 404, 405)
-    assert len(inner.paths) == before + 1
+    send, status, routers = CASES[case]
+    reference, _ = clients[False]
+    direct, routed = clients[True]
+    before = len(routed)
+    expected = comparable(send(reference))
+    assert expected[0] == status
+    assert comparable(send(direct)) == expected
+    # A hot route's request never reaches FastAPI's router; any other one does.
+    assert len(routed) - before == (1 if routers else 0)
 
 
 def test_a_root_path_is_matched_as_the_router_matches_it() -> None:
     # Mounted under a prefix (uvicorn's --root-path), the route is matched on the path past it.
     for direct in (False, True):
-        calls: list[RouterCalls] = []
-        client = TestClient(make_app(direct, calls), root_path="/api")
+        routed: list[str] = []
+        client = TestClient(make_app(direct, routed), root_path="/api")
         answer = client.post("/api/echo", json={"text": "hi"})
         assert answer.status_code == 200
         assert answer.json() == {"echo": "hi", "path": "/api/echo"}
-        assert calls[0].paths == ([] if direct else ["/api/echo"])
+        assert routed == ([] if direct else ["/api/echo"])
 
 
 def test_the_service_answers_predict_directly() -> None:
