@@ -49,7 +49,9 @@ class OwnBodyRoute(APIRoute):
     returns a Response: FastAPI's request handler, which solves dependencies, opens exit
     stacks and would validate a response model, has nothing to do for it and is skipped
     (FastAPI's documented way: a custom `APIRoute.get_route_handler`). Exception handlers,
-    middleware and the OpenAPI description are the same as any route's."""
+    middleware and the OpenAPI description are the same as any route's. In the service the
+    innermost middleware (api.http.middleware.direct) answers these routes before FastAPI's
+    router is reached; this handler is what serves them in an app without it."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         if list(inspect.signature(endpoint).parameters) != ["request"]:
