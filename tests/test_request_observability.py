@@ -376,6 +376,8 @@ def test_an_exporter_it_does_not_have_is_refused() -> None:
 
 
 GLOBAL_PROVIDER_SCRIPT = """
+import time
+
 from fastapi.testclient import TestClient
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -392,7 +394,7 @@ trace.set_tracer_provider(provider)  # as opentelemetry-instrument does
 app = create_app(Settings(_env_file=None, disk_cache_max_bytes=0))
 with TestClient(app) as client:
     while client.get("/ready").status_code != 200:
-        pass
+        time.sleep(0.02)
     answers = [client.get("/health"), client.post("/predict", json={"inputs": "win a prize"})]
 print([a.status_code for a in answers], [s.name for s in exporter.get_finished_spans()])
 """
