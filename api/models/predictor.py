@@ -130,17 +130,46 @@ class Predictor:
     def encode(self, texts: list[str], truncate: bool = True) -> list[list[int]]:
         """Token ids of each text, cut to the model's max length (or refused if truncate);
         a text with no tokens of its own is refused."""
-        if self.loaded.prompt is not None:
-            return [
-                self._encode_prompted(index, text, truncate) for index, text in enumerate(texts)
-            ]
-        encoded = self._encoder.encode(texts, truncate)
-        for index, ids in enumerate(encoded):
-            if not truncate and len(ids) > self.max_length:
-                raise TextTooLong(index, len(ids), self.max_length)
-            if self._special_ids.issuperset(ids):
-                raise NoTokens(index)
+        (encoded,) = self.encode_many([texts], truncate)
+        if isinstance(encoded, UnservableText):
+            raise encoded
         return encoded
+
+    def encode_many(
+        self, requests: list[list[str]], truncate: bool = True
+    ) -> list[list[list[int]] | UnservableText]:
+        """Per request, its texts' ids as `encode` gives them, or the refusal of its first
+        unservable text (indexed within that request). Every text goes to the tokenizer in
+        one call: a call releases and takes back the GIL, which a thread sharing it with
+        the event loop may wait milliseconds for."""
+        if self.loaded.prompt is not None:
+            return [self._encode_prompted_request(texts, truncate) for texts in requests]
+        flat = [text for texts in requests for text in texts]
+        encoded = self._encoder.encode(flat, truncate)
+        results: list[list[list[int]] | UnservableText] = []
+        start = 0
+        for texts in requests:
+            rows = encoded[start : start + len(texts)]
+            start += len(texts)
+            results.append(self._refusal(rows, truncate) or rows)
+        return results
+
+    def _refusal(self, rows: list[list[int]], truncate: bool) -> UnservableText | None:
+        """Why one request's rows cannot be scored (its first such text), or None."""
+        for index, ids in enumerate(rows):
+            if not truncate and len(ids) > self.max_length:
+                return TextTooLong(index, len(ids), self.max_length)
+            if self._special_ids.issuperset(ids):
+                return NoTokens(index)
+        return None
+
+    def _encode_prompted_request(
+        self, texts: list[str], truncate: bool
+    ) -> list[list[int]] | UnservableText:
+        try:
+            return [self._encode_prompted(i, text, truncate) for i, text in enumerate(texts)]
+        except UnservableText as refusal:
+            return refusal
 
     def _encode_prompted(self, index: int, text: str, truncate: bool) -> list[int]:
         """A causal-LM prompt's ids. Truncation cuts the text, never the prompt around it: the

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from api.models.predictor import Scores
 from api.models.registry import ServedModel
@@ -16,9 +16,8 @@ from api.serving.batching import Batcher, DeadlineExceeded
 from api.serving.cache import Entry, ResultCache, cache_key
 from api.serving.cache.tiers import DEFAULT_TIER_NAMES, Lookup
 from api.serving.cache.verify import AnswerShape
+from api.serving.gathered_encoding import GatheredEncoder
 from api.serving.identity import AnswerIdentity
-
-INLINE_TOKENIZE_MAX_CHARS = 4096
 
 
 @dataclass
@@ -49,6 +48,10 @@ class ModelRunner:
     batcher: Batcher[Scores]
     admission: Admission
     adapters: AdapterSet
+
+    @cached_property
+    def _encoder(self) -> GatheredEncoder:
+        return GatheredEncoder(self.served.predictor.encode_many)
 
     @property
     def answer_shape(self) -> AnswerShape:
@@ -128,15 +131,8 @@ class ModelRunner:
     async def _compute(
         self, texts: list[str], adapter: str | None, truncate: bool, deadline: float
     ) -> list[Scores]:
-        # A few SMS tokenize in tens of microseconds, less than a hand-off to a thread costs;
-        # long inputs go to a thread so the event loop keeps serving. Either way this runs
-        # while the current batch computes (torch releases the GIL).
-        encode = self.served.predictor.encode
         with tracing.span("tokenize"):
-            if sum(map(len, texts)) <= INLINE_TOKENIZE_MAX_CHARS:
-                rows = encode(texts, truncate)
-            else:
-                rows = await asyncio.to_thread(encode, texts, truncate)
+            rows = await self._encoder.encode(texts, truncate)
         left = seconds_left(deadline)
         adapters = [adapter] * len(rows)
         with tracing.span("admission"):
