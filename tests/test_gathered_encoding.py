@@ -80,51 +80,49 @@ def run(coroutine: Any) -> Any:
     return asyncio.run(coroutine)
 
 
-def test_requests_of_one_turn_are_tokenized_in_one_call_in_a_thread_each_with_its_own_ids(
+def gathered(
+    encoder: GatheredEncoder, requests: list[list[str]], truncates: list[bool]
+) -> list[list[list[int]]]:
+    """Every request sent in the same turn of a new event loop."""
+
+    async def all_at_once() -> list[list[list[int]]]:
+        calls = (encoder.encode(texts, cut) for texts, cut in zip(requests, truncates, strict=True))
+        return await asyncio.gather(*calls)
+
+    found: list[list[list[int]]] = run(all_at_once())
+    return found
+
+
+def test_requests_of_one_turn_are_tokenized_in_one_call_each_with_its_own_ids(
     predictor: SimulatedPredictor, reference: Any
 ) -> None:
     recorder = Recorder(predictor.encode_many)
-    encoder = GatheredEncoder(recorder)
     # Every fourth request asks not to cut its texts, which fit.
     requests = [
         short if i % 4 == 0 else texts
         for i, (short, texts) in enumerate(zip(short_requests(24), requests_of(24), strict=True))
     ]
     truncates = [i % 4 != 0 for i in range(len(requests))]
-
-    async def all_at_once() -> list[list[list[int]]]:
-        return await asyncio.gather(
-            *(encoder.encode(texts, cut) for texts, cut in zip(requests, truncates, strict=True))
-        )
-
-    loop_thread = threading.current_thread().name
-    found = run(all_at_once())
+    assert sum(len(text) for texts in requests for text in texts) <= INLINE_MAX_CHARS
+    found = gathered(GatheredEncoder(recorder), requests, truncates)
     for texts, cut, ids in zip(requests, truncates, found, strict=True):
         assert ids == expected(reference, texts, cut)
-    # One call per truncation setting, each for all the requests with it, in a thread.
-    assert sorted(count for count, _ in recorder.calls) == [6, 18]
-    assert all(thread != loop_thread for _, thread in recorder.calls)
+    # One call per truncation setting, each for all the requests with it, on the loop.
+    loop_thread = threading.current_thread().name
+    assert sorted(recorder.calls) == [(6, loop_thread), (18, loop_thread)]
 
 
-def test_a_lone_short_request_is_tokenized_on_the_loop_a_long_one_in_a_thread(
+def test_a_turn_over_the_inline_limit_is_tokenized_in_a_thread(
     predictor: SimulatedPredictor, reference: Any
 ) -> None:
     recorder = Recorder(predictor.encode_many)
-    encoder = GatheredEncoder(recorder)
-    long_text = "win a prize " * (INLINE_MAX_CHARS // 12 + 1)
-    loop_thread = threading.current_thread().name
-
-    async def one_then_other() -> tuple[list[list[int]], list[list[int]]]:
-        short = await encoder.encode([TEXTS[0]], True)
-        long_ = await encoder.encode([long_text], True)
-        return short, long_
-
-    short, long_ = run(one_then_other())
-    assert short == expected(reference, [TEXTS[0]], True)
-    assert long_ == expected(reference, [long_text], True)
-    (_, short_thread), (_, long_thread) = recorder.calls
-    assert short_thread == loop_thread
-    assert long_thread != loop_thread
+    requests = [[f"{TEXTS[2]} #{i}"] for i in range(INLINE_MAX_CHARS // len(TEXTS[2]) + 2)]
+    truncates = [True] * len(requests)
+    found = gathered(GatheredEncoder(recorder), requests, truncates)
+    assert found == [expected(reference, texts, True) for texts in requests]
+    ((count, thread),) = recorder.calls
+    assert count == len(requests)
+    assert thread != threading.current_thread().name
 
 
 @pytest.mark.parametrize(

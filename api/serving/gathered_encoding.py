@@ -1,11 +1,11 @@
 """Tokenizing for the event loop: the texts of every request that asks in one turn of the loop
-go to the tokenizer together, in a thread once there are several.
+go to the tokenizer together, in one call.
 
-Tokenized on the loop one request at a time, each call released the GIL and took it back. With
-another thread holding it (the disk cache's writer, the batch worker), the loop then waited
-for it, and a one-text request's tokenizing cost the loop ~60 µs of CPU where the tokenizer
-itself takes ~25. Gathered, one call in a thread serves all the requests of a turn, and the
-loop keeps the GIL for its own work meanwhile.
+Tokenized one request at a time, each call released the GIL and took it back. With another
+thread holding it by then (the disk cache's writer, the batch worker), the loop waited for
+it: a one-text request's tokenizing cost the loop ~60 µs of CPU where the tokenizer itself
+takes ~25. Gathered, a turn's requests (under load, the batch of clients just answered) make
+one such round trip between them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from functools import partial
 
 from api.models.predictor import UnservableText
 
-# One request alone, with this many characters at most, is tokenized on the loop: a thread
-# hand-off costs more than a few SMS take to tokenize, and nothing waits behind it.
+# A turn's texts with this many characters at most in all are tokenized on the loop: a thread
+# hand-off costs more than a batch of SMS takes to tokenize. Longer ones go to a worker
+# thread, so that the loop keeps serving meanwhile.
 INLINE_MAX_CHARS = 4096
 
 # Per request, its texts' ids, or the refusal of one of its texts (Predictor.encode_many).
@@ -59,7 +60,7 @@ class GatheredEncoder:
             if not group:
                 continue
             texts = [job.texts for job in group]
-            if len(group) == 1 and sum(map(len, texts[0])) <= INLINE_MAX_CHARS:
+            if sum(len(text) for request in texts for text in request) <= INLINE_MAX_CHARS:
                 _settle(group, _outcome(self._encode_many, texts, truncate))
                 continue
             loop = asyncio.get_running_loop()
