@@ -164,6 +164,41 @@ def test_scores_depend_on_the_text_alone(sim_server: ServerProcess) -> None:
     assert rows > batches  # some batch held several texts
 
 
+def test_concurrent_requests_get_their_own_ids_and_refusals(sim_server: ServerProcess) -> None:
+    """Requests that arrive together are tokenized together (api/serving/gathered_encoding):
+    each is still scored on the ids transformers gives its own texts, and a text refused for
+    its length fails only its own request, naming its index there."""
+    embedded = load_models_file(None)[0]  # whose tokenizer a simulated model uses
+    reference = AutoTokenizer.from_pretrained(embedded.base)
+    texts = [f"claim your prize number {n} now " * (1 + n % 3) for n in range(15)]
+    too_long = "word " * 200  # over max_length (128) once tokenized
+    for n in range(4):  # admission queues behind others once it has measured three batches
+        assert predict(sim_server, [f"warm-up {n}"], cache=False).status_code == 200
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=sim_server.url, timeout=30) as client:
+            calls = [
+                client.post(
+                    "/predict",
+                    json={"inputs": [text], "cache": False, "raw_scores": True, "truncate": False},
+                )
+                for text in texts
+            ]
+            refused = {"inputs": ["ok", too_long], "cache": False, "truncate": False}
+            calls.insert(7, client.post("/predict", json=refused))
+            return list(await asyncio.gather(*calls))
+
+    responses = asyncio.run(together())
+    refusal = responses.pop(7)
+    assert refusal.status_code == 422, refusal.text
+    assert "inputs[1]" in refusal.text
+    ids = reference(texts)["input_ids"]
+    for row, response in zip(ids, responses, strict=True):
+        assert response.status_code == 200, response.text
+        logits = by_label(response.json()[0])
+        assert [logits["ham"], logits["spam"]] == pytest.approx(hashed_logits(row, 2), rel=1e-6)
+
+
 def test_the_cache_answers_repeats_on_it(sim_server: ServerProcess) -> None:
     first = predict(sim_server, ["call now to claim"])
     hits_before = metric(sim_server.url, "loraserve_cache_lookups_total", result="hit")
