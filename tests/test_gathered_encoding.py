@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +13,12 @@ from transformers import AutoTokenizer
 from api.models.predictor import NoTokens, TextTooLong, UnservableText
 from api.models.simulated import SimulatedPredictor, load_simulated
 from api.models.spec import load_models_file
-from api.serving.gathered_encoding import INLINE_MAX_CHARS, Encoded, GatheredEncoder
+from api.serving.gathered_encoding import (
+    INLINE_MAX_CHARS,
+    Encoded,
+    EncodeMany,
+    GatheredEncoder,
+)
 from tests.tiny_models import write_models_file
 
 MAX_LENGTH = 16
@@ -30,7 +34,7 @@ TEXTS = [
 class Recorder:
     """The predictor's encode_many, recording each call's requests and thread."""
 
-    def __init__(self, encode_many: Callable[[list[list[str]], bool], Encoded]) -> None:
+    def __init__(self, encode_many: EncodeMany) -> None:
         self.encode_many = encode_many
         self.calls: list[tuple[int, str]] = []
 
@@ -76,10 +80,6 @@ def short_requests(count: int) -> list[list[str]]:
     return [[f"see you at {i}", "ok"] for i in range(count)]
 
 
-def run(coroutine: Any) -> Any:
-    return asyncio.run(coroutine)
-
-
 def gathered(
     encoder: GatheredEncoder, requests: list[list[str]], truncates: list[bool]
 ) -> list[list[list[int]]]:
@@ -89,7 +89,7 @@ def gathered(
         calls = (encoder.encode(texts, cut) for texts, cut in zip(requests, truncates, strict=True))
         return await asyncio.gather(*calls)
 
-    found: list[list[list[int]]] = run(all_at_once())
+    found: list[list[list[int]]] = asyncio.run(all_at_once())
     return found
 
 
@@ -148,7 +148,7 @@ def test_a_refused_request_fails_alone_with_its_own_index(
         calls.insert(3, encoder.encode(refused, truncate))
         return await asyncio.gather(*calls, return_exceptions=True)
 
-    found = run(together())
+    found = asyncio.run(together())
     failure = found.pop(3)
     assert isinstance(failure, error)
     assert f"inputs[{index}]" in str(failure)
@@ -177,7 +177,7 @@ def test_a_tokenizer_failure_fails_its_turn_and_the_next_turn_is_served(
         second = await asyncio.gather(*(encoder.encode(texts, True) for texts in requests))
         return first, second
 
-    first, second = run(two_turns())
+    first, second = asyncio.run(two_turns())
     assert [str(error) for error in first] == ["tokenizer broke"] * len(requests)
     assert second == [expected(reference, texts, True) for texts in requests]
 
@@ -194,7 +194,7 @@ def test_a_request_cancelled_while_waiting_leaves_the_others_answered(
         tasks[2].cancel()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
-    found = run(one_cancelled())
+    found = asyncio.run(one_cancelled())
     assert isinstance(found.pop(2), asyncio.CancelledError)
     del requests[2]
     assert found == [expected(reference, texts, True) for texts in requests]
@@ -216,7 +216,7 @@ def test_jobs_left_by_a_stopped_loop_do_not_stall_the_next_loop(
     async def on_a_new_loop() -> list[list[int]]:
         return await asyncio.wait_for(encoder.encode([TEXTS[0]], True), 5)
 
-    assert run(on_a_new_loop()) == expected(reference, [TEXTS[0]], True)
+    assert asyncio.run(on_a_new_loop()) == expected(reference, [TEXTS[0]], True)
 
 
 def test_encode_many_matches_encode_per_request(predictor: SimulatedPredictor) -> None:

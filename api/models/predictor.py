@@ -140,8 +140,8 @@ class Predictor:
     ) -> list[list[list[int]] | UnservableText]:
         """Per request, its texts' ids as `encode` gives them, or the refusal of its first
         unservable text (indexed within that request). Every text goes to the tokenizer in
-        one call: a call releases and takes back the GIL, which a thread sharing it with
-        the event loop may wait milliseconds for."""
+        one call (a prompted model's text by text): a call releases and takes back the GIL,
+        which a thread sharing it with the event loop may wait milliseconds for."""
         if self.loaded.prompt is not None:
             return [self._encode_prompted_request(texts, truncate) for texts in requests]
         flat = [text for texts in requests for text in texts]
