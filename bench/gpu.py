@@ -7,7 +7,8 @@ code on tiny shapes on whatever device there is (the CPU where there is no GPU),
 iterations, into bench/out/gpu-smoke/: the test suite runs it so that this path cannot rot.
 Its figures are not a GPU's, and it never writes into bench/reports/.
 
-What it does, in about 6 minutes on one H100-class GPU (`--seconds` and `--clients` shorten it):
+What it does (4.2 minutes on an H200 with `--seconds 4 --clients 1,8,32,64,128`; the full
+plan's 8 s at each of 1–128 clients adds about two):
 
 1. builds EXAONE-3.5-2.4B-Instruct as the hub ships it (EXAONE layout) with a rank-16 LoRA
    adapter, and KoELECTRA-small-v3-discriminator with a LoRA adapter, from their configs with
@@ -19,23 +20,16 @@ What it does, in about 6 minutes on one H100-class GPU (`--seconds` and `--clien
    the pre-quantized checkpoint); each timed from the spawn to /ready 200, with /models' load
    phases; then reads of the files alone (the page cache is warm by then);
 3. on the later start's server: batch latency at 1/8/32 texts of 128 and 512 tokens, GPU
-   memory allocated and reserved, throughput and p99 at 1–128 clients per model, and the
-   cascade (KoELECTRA first, EXAONE on doubt);
-4. KoELECTRA again with PACK_BATCHES=false: packed against padded batches on the GPU.
+   memory allocated and reserved, throughput and p99 at 1–128 clients per model (clients in
+   processes of at most 16: bench/load_clients.py), and the cascade (KoELECTRA first, EXAONE
+   on doubt);
+4. KoELECTRA again with PACK_BATCHES=false: packed against padded batches on the GPU;
+5. once the servers are stopped, the same batches in this process (bench/gpu_forward.py): the
+   model's own call and `Predictor.forward`, beside the served batch time.
 
-The GPU machine's Python (3.12) may lack what the service needs beyond torch, transformers,
-peft, accelerate, safetensors, prometheus-client, httpx and pyyaml. Carry the rest as wheels:
-
-    # where pip reaches PyPI, in the repository root (.whl/ is git-ignored):
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \\
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
-        bitsandbytes==0.50.2 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \\
-        pydantic==2.14.3 pydantic-core==2.50.4 pydantic-settings==2.16.3 \\
-        python-dotenv==1.2.4 annotated-types==0.8.0 typing-inspection==0.4.5 diskcache==5.6.3
-    # on the GPU machine, in the repository root with .whl/ copied along (no network needed):
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m bench.gpu
+A GPU machine's image may lack what the service needs beyond torch and a few common packages,
+or hold other versions: requirements/gpu-machine.txt lists what this benchmark ran with, and
+how to carry it as wheels to a machine that cannot reach PyPI.
 """
 
 from __future__ import annotations
@@ -56,7 +50,8 @@ from typing import Any
 import torch
 import yaml
 
-from bench import gpu_load, gpu_report
+from api.settings import load_settings
+from bench import gpu_forward, gpu_load, gpu_report
 from bench.gpu_models import LABELS, TINY, USERS, BuiltModels, Shapes, build_all, texts
 from bench.load_worker import read_bytes
 
@@ -268,12 +263,24 @@ def run(plan: Plan, work: Path, smoke: bool) -> dict[str, Any]:
         starts["later start"] = start_record(later)
         file_reads = reads(built, work)
         served = measure_served(later.url, plan, corpus)
+    # After the servers: the GPU holds only what this process loads.
+    settings = load_settings(
+        _env_file=None,
+        device=device,
+        max_memory_gb=16,
+        model_cache_dir=work / "model-cache",
+        offline=True,
+    )
+    forward = gpu_forward.forward_times(
+        work / "models.yaml", settings, corpus, BATCH_SIZES, plan.repeats
+    )
     return {
         "meta": meta(device, smoke, plan, time.perf_counter() - began, build_s),
         "starts": starts,
         "reads": file_reads,
         **served,
         "padded": padded,
+        "forward": forward,
         "cascade_threshold": threshold,
     }
 

@@ -3,7 +3,7 @@ many clients, the cascade, and GPU memory, all over HTTP and /metrics."""
 
 from __future__ import annotations
 
-import asyncio
+import json
 import math
 import os
 import statistics
@@ -14,15 +14,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.load_clients import CLIENTS_PER_PROCESS, Job, Result
 from bench.throughput import free_port, stop
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 900.0  # a first start converts and quantizes 2.4 B parameters
+# Time for the client processes to start (Python and httpx imported) before the warm-up.
+SPAWN_S = 2.0
 
 
 @dataclass
@@ -197,39 +200,62 @@ def load(
     url: str, model: str, texts: list[str], clients: int, seconds: float, warmup: float
 ) -> dict[str, Any]:
     """`clients` clients, each sending one text and waiting for the answer, for `warmup`
-    seconds (not counted) then `seconds`: texts/s of 200s, their p50/p99, every status."""
+    seconds (not counted) then `seconds`: texts/s of 200s, their p50/p99, every status. The
+    clients run in processes of at most CLIENTS_PER_PROCESS each (bench/load_clients.py)."""
+    begin = time.time() + SPAWN_S
+    counted_from = begin + warmup
+    jobs, first = [], 0
+    for share in client_shares(clients):
+        jobs.append(
+            Job(
+                url=url,
+                model=model,
+                texts=texts,
+                first=first,
+                clients=share,
+                total=clients,
+                begin=begin,
+                counted_from=counted_from,
+                until=counted_from + seconds,
+            )
+        )
+        first += share
     point = LoadPoint(model, clients, seconds)
-    asyncio.run(_drive(url, point, texts, warmup))
+    for result in _run_client_processes(jobs):
+        for code, count in result["statuses"].items():
+            point.statuses[int(code)] = point.statuses.get(int(code), 0) + count
+        point.latencies_ms += result["latencies_ms"]
+        for who, count in result["answered_by"].items():
+            point.answered_by[who] = point.answered_by.get(who, 0) + count
+        # Requests sent before the end finish after it: count the time they took too.
+        point.seconds = max(point.seconds, result["ended"] - counted_from)
     return point.summary()
 
 
-async def _drive(url: str, point: LoadPoint, texts: list[str], warmup: float) -> None:
-    limits = httpx.Limits(max_connections=point.clients, max_keepalive_connections=point.clients)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        loop = asyncio.get_running_loop()
-        counted_from = loop.time() + warmup
-        until = counted_from + point.seconds
+def client_shares(clients: int) -> list[int]:
+    """How many of `clients` each client process runs: as few processes as hold at most
+    CLIENTS_PER_PROCESS each, the clients spread evenly over them."""
+    processes = math.ceil(clients / CLIENTS_PER_PROCESS)
+    return [clients // processes + (index < clients % processes) for index in range(processes)]
 
-        async def one_client(number: int) -> None:
-            sent = number
-            while loop.time() < until:
-                text = texts[sent % len(texts)]
-                sent += point.clients
-                began = loop.time()
-                body = {"inputs": text, "model": point.model, "cache": False}
-                response = await client.post("/predict", json=body)
-                if began < counted_from:
-                    continue
-                point.statuses[response.status_code] = (
-                    point.statuses.get(response.status_code, 0) + 1
-                )
-                if response.status_code == 200:
-                    point.latencies_ms.append((loop.time() - began) * 1000)
-                    who = response.headers.get("X-Answered-By", point.model)
-                    point.answered_by[who] = point.answered_by.get(who, 0) + 1
-                elif response.status_code == 429:
-                    await asyncio.sleep(float(response.headers.get("Retry-After", "0.05")))
 
-        await asyncio.gather(*(one_client(number) for number in range(point.clients)))
-        # Requests sent before the end finish after it: count the time they took too.
-        point.seconds = max(point.seconds, loop.time() - counted_from)
+def _run_client_processes(jobs: list[Job]) -> list[Result]:
+    command = [sys.executable, "-m", "bench.load_clients"]
+    running = [
+        subprocess.Popen(
+            command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in jobs
+    ]
+    for process, job in zip(running, jobs, strict=True):
+        assert process.stdin is not None
+        process.stdin.write(json.dumps(job))
+        process.stdin.close()
+    results = []
+    for process in running:
+        assert process.stdout is not None
+        output = process.stdout.read()
+        if process.wait() != 0:
+            raise RuntimeError(f"a client process exited with {process.returncode}")
+        results.append(cast(Result, json.loads(output)))
+    return results

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.load_clients import CLIENTS_PER_PROCESS
+
 # The users' targets (the issue's words).
 BATCH_MS = 100.0  # "a batch under 100 ms"
 MEMORY_GB = 16.0  # "GPU memory under 16 GB"
@@ -35,6 +37,10 @@ def markdown(report: dict[str, Any]) -> str:
         "## Batch latency",
         "",
         *latency_lines(report),
+        "",
+        "## The forward alone",
+        "",
+        *forward_lines(report),
         "",
         "## GPU memory",
         "",
@@ -209,6 +215,29 @@ def latency_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def forward_lines(report: dict[str, Any]) -> list[str]:
+    """The served batch time beside the same batch in the benchmark's own process."""
+    served = {(row["model"], row["tokens"], row["texts"]): row for row in report["latency"]}
+    lines = [
+        "The same batches in the benchmark's own process, each model loaded alone with the "
+        "server's loader once the servers had stopped; median of "
+        f"{report['meta']['plan']['repeats']} after two warm-ups, the device synchronized. "
+        "model: the model's own call on padded ids already on the device; predictor: "
+        "`Predictor.forward`, what the batch worker calls (ids from the host, scores back); "
+        "served: the batch time above.",
+        "",
+        "| model | tokens | texts | model ms | predictor ms | served ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["forward"]:
+        batch = served[(row["model"], row["tokens"], row["texts"])]
+        lines.append(
+            f"| {row['model']} | {row['tokens']} | {row['texts']} | {ms(row['model_ms'])} "
+            f"| {ms(row['predictor_ms'])} | {ms(batch['forward_ms'])} |"
+        )
+    return lines
+
+
 def memory_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         "| when | allocated GB (torch) | reserved GB (torch) | used GB (nvidia-smi) "
@@ -239,7 +268,8 @@ def memory_lines(report: dict[str, Any]) -> list[str]:
 def throughput_lines(report: dict[str, Any]) -> list[str]:
     plan = report["meta"]["plan"]
     lines = [
-        "Closed-loop clients (httpx, asyncio, on the same host), one "
+        "Closed-loop clients (httpx and asyncio, in processes of at most "
+        f"{CLIENTS_PER_PROCESS} clients each, on the same host), one "
         f"{plan['lengths'][0]}-token text a "
         f"request, cache off, {plan['seconds']:.0f} s a point after {plan['warmup']:.0f} s of "
         "warm-up; ADMISSION_CONTROL=false, so every request is queued and answered and p99 is "

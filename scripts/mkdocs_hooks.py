@@ -31,6 +31,7 @@ OPENAPI_FILE = "reference/openapi.json"
 REPOSITORY_FILES = (
     "bench/reports/*.md",
     "bench/reports/*.png",
+    "bench/reports/*.txt",
     "artifacts/*/MODEL_CARD.md",
     "data/README.md",
 )

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from bench.gpu import BATCH_SIZES, REPORTS, SMOKE, main
-from tests.server_process import REPO_ROOT
+from bench.gpu_load import client_shares, load, metric_sums
+from bench.load_clients import CLIENTS_PER_PROCESS
+from tests.server_process import REPO_ROOT, run_server
+from tests.tiny_models import write_models_file
 
 
 @pytest.mark.timeout(600)
@@ -58,6 +61,12 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
         assert row["batches_per_request"] == 1  # one request, one forward, as the grid means
         assert 0 < row["forward_ms"] <= row["client_ms"]
 
+    forward = {(row["model"], row["tokens"], row["texts"]) for row in report["forward"]}
+    assert forward == grid  # the same batches in the benchmark's own process
+    for row in report["forward"]:
+        assert row["model_ms"] > 0 and row["predictor_ms"] > 0
+    assert "## The forward alone" in markdown
+
     points = {(point["model"], point["clients"]) for point in report["throughput"]}
     assert points == {(m, c) for m in ("koelectra", "exaone") for c in SMOKE.clients}
     for point in [*report["throughput"], report["cascade"], report["padded"]["throughput"]]:
@@ -80,3 +89,42 @@ def test_smoke_figures_never_go_into_the_reports_folder() -> None:
     assert main(["--smoke", "--out", str(REPORTS)]) == 2
     if not torch.cuda.is_available():  # the real run needs a GPU, and says so
         assert main([]) == 2
+
+
+def test_client_shares_hold_every_client_in_processes_of_at_most_the_limit() -> None:
+    for clients in (1, CLIENTS_PER_PROCESS, CLIENTS_PER_PROCESS + 1, 35, 128):
+        shares = client_shares(clients)
+        assert sum(shares) == clients and max(shares) <= CLIENTS_PER_PROCESS
+        assert max(shares) - min(shares) <= 1
+    assert len(client_shares(128)) == 128 // CLIENTS_PER_PROCESS
+
+
+def test_a_load_point_over_several_client_processes_counts_what_the_server_answered(
+    tmp_path: Path,
+) -> None:
+    """35 clients (three processes) on a simulated model: every counted answer is one the
+    server gave, and the warm-up's answers are not counted."""
+    entry = {
+        "name": "sim",
+        "simulated": {"seconds_per_batch": 0.005, "seconds_per_token": 0.0},
+        "labels": ["ham", "spam"],
+        "max_length": 64,
+    }
+    env = {
+        "MODELS_FILE": str(write_models_file(tmp_path / "models.yaml", [entry])),
+        "LRU_CACHE_ENTRIES": "0",
+        "DISK_CACHE_MAX_BYTES": "0",
+        "ADMISSION_CONTROL": "false",
+    }
+    texts = [f"message {n} about a prize" for n in range(100)]
+    answered = "loraserve_requests_total"
+    with run_server(env, tmp_path) as server:
+        server.wait_ready()
+        point = load(server.url, "sim", texts, clients=35, seconds=1.0, warmup=1.0)
+        served = metric_sums(server.url, {answered}, route="/predict", status="200")[answered]
+    counted = point["statuses"]["200"]
+    assert set(point["statuses"]) == {"200"} and point["answered_by"] == {"sim": counted}
+    assert point["clients"] == 35 and point["seconds"] >= 1.0
+    assert point["texts_per_s"] == pytest.approx(counted / point["seconds"])
+    # Each client waits for its answer: at least one each; the warm-up's went uncounted.
+    assert 35 <= counted < served

@@ -11,8 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForSequenceClassification
 
-from api.models.loader import LoadError, check_placement, load_model, max_memory_map
+from api.models.loader import (
+    LoadError,
+    check_placement,
+    load_model,
+    max_memory_map,
+    placement,
+)
 from api.models.predictor import Predictor
 from api.models.registry import Registry
 from api.models.spec import AdapterSpec
@@ -263,6 +270,29 @@ def test_a_model_placed_partly_off_the_gpu_is_refused_naming_its_modules() -> No
     check_placement("exaone", dict.fromkeys(OFFLOADED, 0), None)
     check_placement("exaone", {"": 0}, {0: 16 * GIB, "cpu": 16 * GIB})
     check_placement("exaone", {"transformer": 0, "lm_head": 1}, None)
+
+
+def test_a_model_auto_placed_wholly_on_the_cpu_is_found_off_the_gpu(tiny_llama: TinyModel) -> None:
+    """transformers 5 sets no `hf_device_map` when `device_map="auto"` puts the whole model on
+    one device: what a spent GPU budget does (seen on an H200: served on the CPU, unrefused).
+    Here the CPU is the only device, so accelerate places it as it would there."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_llama.base), device_map="auto", max_memory={"cpu": GIB}
+    )
+    assert getattr(model, "hf_device_map", None) is None  # what the check cannot rely on
+    assert placement(model) == {"": "cpu"}
+    with pytest.raises(
+        LoadError, match=r"1 of its 1 modules would run off the GPU \(\(all\) on cpu"
+    ):
+        check_placement("tiny", placement(model), {0: 0, "cpu": GIB})
+    # Weights on several devices and no map: each weight named where it is.
+    model.score.weight = torch.nn.Parameter(model.score.weight.detach().to("meta"))
+    where = placement(model)
+    assert where["score.weight"] == "meta" and set(where.values()) == {"cpu", "meta"}
+    with pytest.raises(LoadError, match=r"modules would run off the GPU \(\S+ on cpu"):
+        check_placement("tiny", where, {0: 0, "cpu": GIB})
+    model.hf_device_map = {"model": 0, "score": "cpu"}  # accelerate's map, where it made one
+    assert placement(model) == {"model": 0, "score": "cpu"}
 
 
 def test_load_records_every_phase(tiny_bert: TinyModel) -> None:

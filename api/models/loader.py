@@ -148,6 +148,20 @@ def max_memory_map(
     return {device: max(0, budget - held.get(device, 0)) for device in devices}
 
 
+def placement(model: torch.nn.Module) -> dict[str, object]:
+    """Where `model`'s weights are, as `check_placement` reads it: accelerate's
+    `hf_device_map` where it dispatched the model across devices, else each weight's own
+    device, as one entry ("") when they all share one. transformers 5 sets no `hf_device_map`
+    when `device_map="auto"` puts the whole model on one device, the CPU included: seen on an
+    H200, where a spent MAX_MEMORY_GB loaded a model wholly on the CPU and nothing refused it."""
+    mapped = getattr(model, "hf_device_map", None)
+    if mapped:
+        return dict(mapped)
+    where = {name: str(weight.device) for name, weight in model.named_parameters()}
+    devices = set(where.values())
+    return {"": devices.pop()} if len(devices) == 1 else dict(where)
+
+
 def check_placement(
     model: str, device_map: Mapping[str, object], max_memory: Mapping[int | str, int] | None
 ) -> None:
@@ -567,7 +581,7 @@ def _load_base(
         reason = f"weights of the wrong shape: {info['mismatched_keys']}"
         raise UnreadableCheckpoint(spec.name, folder, reason)
     if device.type == "cuda":
-        check_placement(spec.name, getattr(model, "hf_device_map", None) or {}, memory)
+        check_placement(spec.name, placement(model), memory)
     if memory is not None and device.type == "cuda":  # on the CPU device_map is explicit
         logger.info(
             "model %s: MAX_MEMORY_GB left it %s",
