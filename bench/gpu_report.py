@@ -338,6 +338,13 @@ def packing_lines(report: dict[str, Any]) -> list[str]:
             f"| {'—' if point is None else format(point['texts_per_s'], ',.1f')} "
             f"| {'—' if point is None else ms(point['p99_ms'])} |"
         )
+    if not later[KOELECTRA]["packed_batches"]:
+        lines += [
+            "",
+            "Both rows ran padded batches: KoELECTRA's load kept them padded on this device "
+            "(on a GPU every model does, docs/batching.md), so this compares two servers whose "
+            "KoELECTRA runs alike, and their difference is the run's own spread.",
+        ]
     return lines
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import gpu_report
 from bench.gpu import BATCH_SIZES, REPORTS, SMOKE, main
 from bench.gpu_load import client_shares, load, metric_sums
 from bench.load_clients import CLIENTS_PER_PROCESS
@@ -128,3 +129,11 @@ def test_a_load_point_over_several_client_processes_counts_what_the_server_answe
     assert point["texts_per_s"] == pytest.approx(counted / point["seconds"])
     # Each client waits for its answer: at least one each; the warm-up's went uncounted.
     assert 35 <= counted < served
+
+
+def test_the_committed_gpu_report_is_its_figures_rendered() -> None:
+    """bench/reports/gpu.md says what gpu.json holds: no figure edited by hand, and wording
+    changed in bench/gpu_report.py rendered again from the run's own figures."""
+    figures = json.loads((REPORTS / "gpu.json").read_text(encoding="utf-8"))
+    assert figures["meta"]["device"] == "cuda" and not figures["meta"]["smoke"]
+    assert gpu_report.markdown(figures) == (REPORTS / "gpu.md").read_text(encoding="utf-8")
