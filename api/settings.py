@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     pad_to_multiple_of: int | None = Field(
         None, ge=1, description="Pad batches to a multiple of this many tokens (length buckets)."
     )
+    batch_logit_tolerance: float | None = Field(
+        None,
+        ge=0,
+        description="A model whose load measures a batch_max_logit_difference above this "
+        "scores each text alone (a forward per text), so that no answer depends on its "
+        "batch-mates; unset: every model batches.",
+    )
     adapter_dirs: dict[str, str] = Field(
         default_factory=dict,
         description="Read from <MODEL>_ADAPTER_DIR variables: overrides a model's adapter path.",

@@ -163,6 +163,10 @@ class ModelInfo(BaseModel):
         description="Largest logit difference of a probe text alone and among batch-mates of "
         "other lengths, measured at load: 0 means a text's scores do not depend on its batch."
     )
+    scores_texts_alone: bool = Field(
+        description="Each text runs as a batch of one: batch_max_logit_difference was over "
+        "BATCH_LOGIT_TOLERANCE, so no answer depends on its batch-mates."
+    )
     identities: list[ServableIdentity] = Field(
         description="Per adapter: what decides its answers, and the digest every cache keys by."
     )

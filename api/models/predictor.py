@@ -90,6 +90,9 @@ class Predictor:
         self._default_adapter = loaded.spec.active_default_adapter
         self._active_adapter: str | None = None
         self._packed: PackedRunner | None = None
+        # Set by the registry where BATCH_LOGIT_TOLERANCE finds this model's batches move a
+        # text's logits: each text then runs as a batch of one, as `batch_variance` runs it.
+        self.scores_alone = False
 
     @property
     def packs_batches(self) -> bool:
@@ -316,6 +319,9 @@ class Predictor:
 
     @torch.inference_mode()
     def _logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
+        if self.scores_alone and len(batch) > 1:
+            pairs = zip(batch, adapters, strict=True)
+            return torch.cat([self._logits([row], [adapter]) for row, adapter in pairs])
         switchable = bool(self.loaded.adapters) and not self.loaded.merged
         if switchable and len(set(adapters)) > 1:
             return self._per_adapter(batch, adapters)

@@ -194,6 +194,16 @@ class Registry:
                     device.submit(predictor.warm_up, *limits).result()
             with timed(loaded.phases, "warmup"):
                 variance = device.submit(predictor.batch_variance).result()
+            tolerance = self.settings.batch_logit_tolerance
+            if tolerance is not None and variance > tolerance:
+                predictor.scores_alone = True  # before it serves: no batch runs yet
+                logger.info(
+                    "model %s: batch_max_logit_difference %.3g is over BATCH_LOGIT_TOLERANCE "
+                    "%g: each text is scored alone",
+                    spec.name,
+                    variance,
+                    tolerance,
+                )
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise

@@ -65,6 +65,7 @@ def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
         batch_overhead_tokens=served.overhead_tokens,
         packed_batches=served.predictor.packs_batches,
         batch_max_logit_difference=served.batch_variance,
+        scores_texts_alone=served.predictor.scores_alone,
         identities=[
             ServableIdentity(adapter=name, digest=identity.digest, components=identity.components)
             for name, identity in identities
