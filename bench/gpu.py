@@ -241,6 +241,11 @@ def run(plan: Plan, work: Path, smoke: bool) -> dict[str, Any]:
     work.mkdir(parents=True)
     built = build_all(work / "models", plan.shapes, torch.device(device))
     build_s = time.perf_counter() - began
+    if device == "cuda":
+        # Each weight was drawn here in float32 and moved to the host; without this, torch
+        # keeps the blocks it drew them in (the embedding matrix alone is ~1 GB) reserved in
+        # this process, which nvidia-smi's "used" counts beside the server's.
+        torch.cuda.empty_cache()
     corpus = {
         KOELECTRA: {n: texts(built.koelectra, n, 64, seed=n) for n in plan.lengths},
         EXAONE: {n: texts(built.exaone, n, 64, seed=n + 1) for n in plan.lengths},
