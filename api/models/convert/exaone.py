@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 
 from api.models.checkpoint import CheckpointError, read_safetensors_header, sha256_of
 from api.models.convert.staging import staged_folder
+from api.models.digest_memo import DigestMemo
 
 logger = logging.getLogger(__name__)
 
@@ -393,15 +394,17 @@ def check_weights(config: dict[str, Any], files: list[Path]) -> None:
         raise ExaoneError(where, f"{len(missing)} tensors missing, e.g. {missing[:3]}")
 
 
-def source_digests(folder: Path, files: list[Path], pinned: dict[str, str]) -> dict[str, str]:
+def source_digests(
+    folder: Path, files: list[Path], pinned: dict[str, str], memo: DigestMemo
+) -> dict[str, str]:
     """sha256 of every file the conversion reads (config, index, tokenizer, weights)."""
     names = [CONFIG, INDEX, *TOKENIZER_FILES]
     small = [folder / name for name in names if (folder / name).is_file()]
     digests = {path.name: sha256_of(path) for path in small}
     for path in files:
         # A pinned digest was checked by the loader just before; a hub cache names each large
-        # blob by its sha256; else the file is read.
-        digests[path.name] = pinned.get(path.name) or _hub_blob_sha256(path) or sha256_of(path)
+        # blob by its sha256; else the file is read, unless unchanged since it last was.
+        digests[path.name] = pinned.get(path.name) or _hub_blob_sha256(path) or memo.sha256_of(path)
     return digests
 
 
@@ -445,7 +448,7 @@ def convert_exaone(
     config = llama_config(source, config_path)
     shards = source_weight_files(folder, files)
     check_weights(config, shards)
-    digests = source_digests(folder, shards, pinned)
+    digests = source_digests(folder, shards, pinned, DigestMemo(cache_root))
     out = cache_root / CACHE_FOLDER / digest_of(digests)
     if (out / MANIFEST).is_file():
         return out
