@@ -9,8 +9,6 @@ ways, so that the served batch time can be split into the model and what serving
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,6 +20,7 @@ from api.models.loader import load_model
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec, load_models_file
 from api.settings import Settings
+from bench.timing import median_ms
 
 
 def forward_times(
@@ -77,19 +76,14 @@ def call(model: Any, inputs: dict[str, torch.Tensor]) -> None:
     model(**inputs)
 
 
-def timed(work: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of `work`, the device synchronized before each clock reading."""
-    samples = []
-    for repeat in range(repeats + 2):
-        sync()
-        began = time.perf_counter()
-        work()
-        sync()
-        if repeat >= 2:
-            samples.append((time.perf_counter() - began) * 1000)
-    return statistics.median(samples)
-
-
-def sync() -> None:
+def synced(work: Callable[[], object]) -> None:
+    """`work`, then the device synchronized: its queued kernels are part of its time."""
+    work()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed(work: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of `work` after two warm-ups, the device synchronized after each
+    call (so each timed call starts with the device idle)."""
+    return median_ms(partial(synced, work), repeats, warmups=2)

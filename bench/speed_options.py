@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +28,7 @@ from api.models.loader import load_model
 from api.models.predictor import NonFiniteScores, Predictor, Scores
 from api.models.spec import load_models_file
 from api.settings import Settings
+from bench.timing import median_ms
 from scripts.spam_data import load_splits
 
 REPORTS = Path(__file__).resolve().parent / "reports"
@@ -71,17 +70,6 @@ class Result:
     load_seconds: float
     packed: bool
     max_logit_difference: float
-
-
-def median_ms(run: Any, repeats: int) -> float:
-    """Median wall time of `run()` in milliseconds, after one untimed call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def measure(option: str, threads: int, repeats: int) -> Result:
