@@ -268,14 +268,8 @@ def run(plan: Plan, work: Path, smoke: bool) -> dict[str, Any]:
         starts["later start"] = start_record(later)
         file_reads = reads(built, work)
         served = measure_served(later.url, plan, corpus)
-    # After the servers: the GPU holds only what this process loads.
-    settings = load_settings(
-        _env_file=None,
-        device=device,
-        max_memory_gb=16,
-        model_cache_dir=work / "model-cache",
-        offline=True,
-    )
+    # After the servers: the GPU holds only what this process loads, with their settings.
+    settings = load_settings(_env_file=None, **{name.lower(): v for name, v in env.items()})
     forward = gpu_forward.forward_times(
         work / "models.yaml", settings, corpus, BATCH_SIZES, plan.repeats
     )
