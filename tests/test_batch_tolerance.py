@@ -2,9 +2,9 @@
 allows scores each text alone, so that its answers are a function of the text alone.
 
 The reference is the text scored as a batch of one, which is what the load's probe
-(`batch_max_logit_difference`) compares a batch against. A tiny Llama in bitsandbytes nf4 is
-the kind of model it is for: a padded decoder whose batched logits differ from its lone ones
-in the last bits (on an H200, EXAONE's in nf4 differed by 0.0886).
+(`batch_max_logit_difference`) compares a batch against. A padded decoder in bitsandbytes nf4
+is the kind of model it is for: the embedded cascade LLM's batched logits differ from its lone
+ones by up to ~0.014 on these texts (on an H200, EXAONE's in nf4 differed by 0.0886).
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.http.app import create_app
 from api.models.loader import load_model
 from api.models.predictor import Predictor, Scores
 from tests.conftest import make_settings, spec_for, wait_ready
 from tests.server_process import run_server
-from tests.tiny_models import TinyModel, tiny_models_file
+from tests.tiny_models import TinyModel
 
 # Lengths that pad a batch unevenly: the shape under which a padded decoder rounds differently.
 TEXTS = [
@@ -32,9 +33,13 @@ TEXTS = [
     "urgent your account has been selected for a cash reward reply yes",
     "see you at six",
 ]
-
-
+# The row lengths of the load's probe (Predictor.batch_variance): on the tiny Llama these
+# round apart batched, where its word-level texts do not.
 LENGTHS = (5, 2, 9, 5, 1, 7, 3, 12)
+# Each text sent this many times at once: batches of many mixes, some of which round apart.
+ROUNDS = 4
+# The embedded default's two models (artifacts/models.yaml).
+ENCODER, LLM = "spam-minilm", "spam-smollm2"
 
 
 def logits(scores: list[object]) -> list[tuple[float, ...]]:
@@ -84,39 +89,46 @@ def test_the_tolerance_decides_per_model_and_names_itself_in_the_answer_identity
             assert identity["components"]["scores_texts_alone"] is expected
 
 
-def test_through_the_server_a_text_among_others_answers_as_alone(
-    tiny_llama: TinyModel, tmp_path: Path
-) -> None:
-    """Requests sent together (batched by the real batcher) against the same texts sent one at
-    a time, cache off: the same probabilities to the bit."""
-    models = tiny_models_file(tmp_path, tiny_llama, adapters=("spam",), quantization="nf4")
+def test_through_the_server_a_text_among_others_answers_as_alone(tmp_path: Path) -> None:
+    """The embedded default through the real server: its cascade LLM (SmolLM2 in nf4, padded)
+    moves these texts' logits by up to ~0.014 batched against alone, its encoder (packed) by
+    nothing. With the tolerance at 0 the LLM scores each text alone and the encoder batches;
+    requests sent together (batched by the real batcher) answer as the same texts sent one at
+    a time, cache off, to the bit."""
     env = {
-        "MODELS_FILE": str(models),
         "BATCH_LOGIT_TOLERANCE": "0",
         "MAX_BATCH_WAIT_SECONDS": "0.02",
+        # Every request answered: the comparison is of answers, not of admission (texts scored
+        # alone make batches slower, and many sent at once could be refused with 429).
+        "ADMISSION_CONTROL": "false",
+        "DISK_CACHE_MAX_BYTES": "0",
     }
     with run_server(env, tmp_path) as server:
         server.wait_ready()
+        models = {
+            m["name"]: m for m in httpx.get(f"{server.url}/models", timeout=30).json()["models"]
+        }
+        assert models[LLM]["batch_max_logit_difference"] > 0 and models[LLM]["scores_texts_alone"]
+        assert models[ENCODER]["batch_max_logit_difference"] == 0
+        assert not models[ENCODER]["scores_texts_alone"]
 
         def ask(text: str) -> list[dict[str, object]]:
-            body = {"inputs": [text], "cache": False}
-            response = httpx.post(f"{server.url}/predict", json=body, timeout=30)
+            body = {"inputs": [text], "model": LLM, "cache": False}
+            response = httpx.post(f"{server.url}/predict", json=body, timeout=60)
             response.raise_for_status()
             answer: list[dict[str, object]] = response.json()
             return answer
 
-        (model,) = httpx.get(f"{server.url}/models", timeout=30).json()["models"]
-        assert model["scores_texts_alone"]
         one_at_a_time = [ask(text) for text in TEXTS]
-        with ThreadPoolExecutor(len(TEXTS) * 4) as pool:
-            together = list(pool.map(ask, TEXTS * 4))
-        batches = httpx.get(f"{server.url}/metrics", timeout=30).text
-    assert together == one_at_a_time * 4
+        with ThreadPoolExecutor(len(TEXTS) * ROUNDS) as pool:
+            together = list(pool.map(ask, TEXTS * ROUNDS))
+        exposition = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert together == one_at_a_time * ROUNDS
     # Some requests did share a batch: a batch of more than one text ran.
-    sizes = [
-        line for line in batches.splitlines() if line.startswith("loraserve_batch_size_bucket")
-    ]
-    assert any('le="1.0"' in line for line in sizes)
-    one = next(float(line.split()[-1]) for line in sizes if 'le="1.0"' in line)
-    total = next(float(line.split()[-1]) for line in sizes if 'le="+Inf"' in line)
-    assert total > one
+    batches = {
+        sample.labels["le"]: sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == "loraserve_batch_size_bucket" and sample.labels["model"] == LLM
+    }
+    assert batches["+Inf"] > batches["1.0"]
