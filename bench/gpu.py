@@ -7,8 +7,8 @@ code on tiny shapes on whatever device there is (the CPU where there is no GPU),
 iterations, into bench/out/gpu-smoke/: the test suite runs it so that this path cannot rot.
 Its figures are not a GPU's, and it never writes into bench/reports/.
 
-What it does (4.2 minutes on an H200 with `--seconds 4 --clients 1,8,32,64,128`; the full
-plan's 8 s at each of 1–128 clients adds about two):
+What it does (5.9 minutes on an H200, the full plan: 8 s a point at each of 1–128 clients;
+`--seconds 4 --clients 1,8,32,64,128` takes about 4):
 
 1. builds EXAONE-3.5-2.4B-Instruct as the hub ships it (EXAONE layout) with a rank-16 LoRA
    adapter, and KoELECTRA-small-v3-discriminator with a LoRA adapter, from their configs with

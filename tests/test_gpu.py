@@ -67,3 +67,29 @@ def test_a_prequantized_checkpoint_on_the_gpu_answers_as_quantizing_at_start(
     want = [s.logits for s in Predictor(at_start).predict(texts, "spam")]
     for loaded in (first, second):
         assert [s.logits for s in Predictor(loaded).predict(texts, "spam")] == want
+
+
+def test_on_the_gpu_a_text_scored_alone_keeps_its_lone_logits_in_any_batch(
+    tiny_llama: TinyModel,
+) -> None:
+    """BATCH_LOGIT_TOLERANCE's case on the device it is for: nf4 with a bfloat16 compute dtype
+    on CUDA, where a padded batch moves a text's logits (EXAONE: 0.0886 on an H200). Scored
+    alone, each text of a batch, with mixed adapters, gets its logits of a batch of one to the
+    bit."""
+    spec = spec_for(tiny_llama, quantization="nf4", compute_dtype="bfloat16")
+    predictor = Predictor(load_model(spec, make_settings(device="cuda", max_memory_gb=1)))
+    vocab = predictor.loaded.tokenizer.vocab_size
+    lengths = (5, 2, 9, 5, 1, 7, 3, 12)
+    rows = [[(7 + 13 * row + 3 * i) % vocab for i in range(n)] for row, n in enumerate(lengths)]
+    adapters: list[str | None] = ["spam", "promo"] * 4
+
+    def logits(batch: list[list[int]], names: list[str | None]) -> list[tuple[float, ...]]:
+        return [s.logits for s in predictor.forward(batch, names) if not isinstance(s, Exception)]
+
+    alone = [logits([row], [name])[0] for row, name in zip(rows, adapters, strict=True)]
+    # Batched, the logits on this device are not the lone ones: without that, nothing is shown.
+    assert predictor.batch_variance() > 0
+    assert logits(rows, adapters) != alone
+
+    predictor.scores_alone = True
+    assert logits(rows, adapters) == alone
