@@ -286,6 +286,21 @@ def run(plan: Plan, work: Path, smoke: bool) -> dict[str, Any]:
 
 def meta(device: str, smoke: bool, plan: Plan, wall_s: float, build_s: float) -> dict[str, Any]:
     """The device, the software, and what this run was."""
+    return {
+        **environment(device),
+        "smoke": smoke,
+        "plan": {
+            **asdict(plan),
+            "shapes": {"exaone_parameters": plan.shapes.exaone_parameters, **asdict(plan.shapes)},
+        },
+        "wall_s": wall_s,
+        "build_s": build_s,
+        "command": " ".join(["python -m bench.gpu", *sys.argv[1:]]),
+    }
+
+
+def environment(device: str) -> dict[str, Any]:
+    """The date, the device (its GPU's name, memory, CUDA and driver) and the software."""
     versions: dict[str, str | None] = {}
     for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate"):
         try:
@@ -305,17 +320,9 @@ def meta(device: str, smoke: bool, plan: Plan, wall_s: float, build_s: float) ->
         "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         "device": device,
         "gpu": gpu,
-        "smoke": smoke,
         "cpu": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "versions": versions,
-        "plan": {
-            **asdict(plan),
-            "shapes": {"exaone_parameters": plan.shapes.exaone_parameters, **asdict(plan.shapes)},
-        },
-        "wall_s": wall_s,
-        "build_s": build_s,
-        "command": " ".join(["python -m bench.gpu", *sys.argv[1:]]),
     }
 
 

@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,18 +197,26 @@ def _quantile(ordered: list[float], fraction: float) -> float | None:
 
 
 def load(
-    url: str, model: str, texts: list[str], clients: int, seconds: float, warmup: float
+    url: str | Sequence[str],
+    model: str,
+    texts: list[str],
+    clients: int,
+    seconds: float,
+    warmup: float,
 ) -> dict[str, Any]:
     """`clients` clients, each sending one text and waiting for the answer, for `warmup`
     seconds (not counted) then `seconds`: texts/s of 200s, their p50/p99, every status. The
-    clients run in processes of at most CLIENTS_PER_PROCESS each (bench/load_clients.py)."""
+    clients run in processes of at most CLIENTS_PER_PROCESS each (bench/load_clients.py);
+    given several servers' URLs, as many clients ask each (as a round-robin balancer would
+    spread them), give or take one."""
+    urls = [url] if isinstance(url, str) else list(url)
     begin = time.time() + SPAWN_S
     counted_from = begin + warmup
     jobs, first = [], 0
-    for share in client_shares(clients):
+    for index, share in enumerate(client_shares(clients, len(urls))):
         jobs.append(
             Job(
-                url=url,
+                url=urls[index % len(urls)],
                 model=model,
                 texts=texts,
                 first=first,
@@ -232,10 +240,12 @@ def load(
     return point.summary()
 
 
-def client_shares(clients: int) -> list[int]:
+def client_shares(clients: int, servers: int = 1) -> list[int]:
     """How many of `clients` each client process runs: as few processes as hold at most
-    CLIENTS_PER_PROCESS each, the clients spread evenly over them."""
+    CLIENTS_PER_PROCESS each, a multiple of `servers` (process i asks server i mod
+    `servers`), the clients spread evenly over them."""
     processes = math.ceil(clients / CLIENTS_PER_PROCESS)
+    processes = min(clients, math.ceil(processes / servers) * servers)
     return [clients // processes + (index < clients % processes) for index in range(processes)]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_report
+from bench import gpu_replicas, gpu_report
 from bench.gpu import BATCH_SIZES, REPORTS, SMOKE, main
 from bench.gpu_load import client_shares, load, metric_sums
 from bench.load_clients import CLIENTS_PER_PROCESS
@@ -100,6 +100,43 @@ def test_client_shares_hold_every_client_in_processes_of_at_most_the_limit() -> 
     assert len(client_shares(128)) == 128 // CLIENTS_PER_PROCESS
 
 
+@pytest.mark.parametrize("servers", [2, 4])
+def test_client_shares_give_each_server_as_many_clients_give_or_take_one(servers: int) -> None:
+    """Process i asks server i mod `servers`: the processes come in a multiple of `servers`."""
+    for clients in (servers, 20, 35, 64, 256):
+        shares = client_shares(clients, servers)
+        assert sum(shares) == clients and max(shares) <= CLIENTS_PER_PROCESS
+        assert len(shares) % servers == 0
+        per_server = [sum(shares[i::servers]) for i in range(servers)]
+        assert max(per_server) - min(per_server) <= 1
+
+
+@pytest.mark.timeout(300)
+def test_the_replicas_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
+    """bench.gpu_replicas on tiny shapes: one and two real servers started together, the
+    clients spread over both (each ran batches), every request answered."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "bench.gpu_replicas", "--smoke"]
+    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=290, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "gpu-replicas.json").read_text(encoding="utf-8"))
+    rows = report["rows"]
+    assert [(row["replicas"], row["clients"]) for row in rows] == [(1, 4), (2, 4)]
+    for row in rows:
+        assert set(row["statuses"]) == {"200"} and row["texts_per_s"] > 0
+        assert len(row["ready_s"]) == row["replicas"]
+        assert len(row["batches_per_replica"]) == row["replicas"]
+        assert all(count > 0 for count in row["batches_per_replica"])
+        assert row["mean_batch_texts"] >= 1
+    assert gpu_replicas.markdown(report) == (out / "gpu-replicas.md").read_text(encoding="utf-8")
+    assert "smoke run: not a GPU's figures" in gpu_replicas.markdown(report)
+    assert gpu_replicas.main(["--smoke", "--out", str(REPORTS)]) == 2
+
+
 def test_a_load_point_over_several_client_processes_counts_what_the_server_answered(
     tmp_path: Path,
 ) -> None:
@@ -129,6 +166,13 @@ def test_a_load_point_over_several_client_processes_counts_what_the_server_answe
     assert point["texts_per_s"] == pytest.approx(counted / point["seconds"])
     # Each client waits for its answer: at least one each, and none the server did not give.
     assert 35 <= counted <= served
+
+
+def test_the_committed_replicas_report_is_its_figures_rendered() -> None:
+    figures = json.loads((REPORTS / "gpu-replicas.json").read_text(encoding="utf-8"))
+    assert figures["meta"]["device"] == "cuda" and not figures["meta"]["smoke"]
+    expected = (REPORTS / "gpu-replicas.md").read_text(encoding="utf-8")
+    assert gpu_replicas.markdown(figures) == expected
 
 
 def test_the_committed_gpu_report_is_its_figures_rendered() -> None:
