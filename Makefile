@@ -74,7 +74,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-score bench-cascade bench-scale bench-adapters
+bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-score bench-cascade bench-scale bench-replica-threads bench-adapters
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -112,6 +112,11 @@ bench-cascade: $(BENCH_INSTALLED)
 .PHONY: bench-scale
 bench-scale: $(BENCH_INSTALLED) $(TOOLS)
 	$(BIN)/python -m bench.scale_out
+
+## bench-replica-threads: two replicas on this host, torch's default threads against split cores
+.PHONY: bench-replica-threads
+bench-replica-threads: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.replica_threads
 
 ## bench-adapters: run-time adapters under load: time to load and swap one, the latency hiccup
 bench-adapters: $(BENCH_INSTALLED)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import platform
 import shutil
 import statistics
@@ -54,6 +53,7 @@ from api.settings import load_settings
 from bench import gpu_forward, gpu_load, gpu_report
 from bench.gpu_models import LABELS, TINY, USERS, BuiltModels, Shapes, build_all, texts
 from bench.load_worker import read_bytes
+from bench.report_files import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "bench" / "reports"
@@ -368,11 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--smoke figures are not a GPU's: they never go into bench/reports", file=sys.stderr)
         return 2
     report = run(plan, work, args.smoke)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = gpu_report.markdown(report)
-    (out / "gpu.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(out, "gpu", report, gpu_report.markdown(report))
     return 0
 
 

@@ -21,7 +21,6 @@ balancer would), one 128-token text a request. It writes bench/reports/gpu-repli
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ import yaml
 
 from bench import gpu, gpu_load
 from bench.gpu_models import LABELS, TINY, USERS, Shapes, build_koelectra, texts
+from bench.report_files import write_report
 
 REPORT_NAME = "gpu-replicas"
 MODEL = "koelectra"
@@ -239,11 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work.mkdir(parents=True, exist_ok=True)
     report = run(plan, work, args.smoke)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = markdown(report)
-    (out / f"{REPORT_NAME}.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(out, REPORT_NAME, report, markdown(report))
     return 0
 
 

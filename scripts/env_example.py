@@ -31,6 +31,9 @@ GRAFANA_ANONYMOUS=true
 # --- profile `scale` (docker compose --profile scale up) ---
 # How many replicas of the service HAProxy balances (the config has 10 slots).
 API_REPLICAS=3
+# torch's CPU threads in each replica (their TORCH_NUM_THREADS): the replicas share this
+# host's cores, so keep it at most the cores / API_REPLICAS.
+REPLICA_TORCH_NUM_THREADS=1
 # Host ports of HAProxy's front door and of its stats page (/stats, /metrics).
 LB_PORT=8080
 LB_STATS_PORT=8404

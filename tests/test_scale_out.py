@@ -143,6 +143,9 @@ def test_compose_profile_scale_runs_replicas_behind_haproxy_with_redis(tmp_path:
     assert replica["deploy"]["replicas"] == 3 and not replica.get("ports")
     assert replica["environment"]["REDIS_URL"] == "redis://:@redis:6379/0"  # no password yet
     assert replica["environment"]["PORT"] == api["environment"]["PORT"] == "8000"
+    # Replicas on one host split its cores rather than each spinning a team of all of them.
+    assert replica["environment"]["TORCH_NUM_THREADS"] == "1"
+    assert "TORCH_NUM_THREADS" not in api["environment"]
     grace = float(replica["stop_grace_period"].removesuffix("s"))
     assert grace > Settings.model_fields["drain_seconds"].default
     [mount] = services["lb"]["volumes"]

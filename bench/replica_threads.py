@@ -1,0 +1,152 @@
+"""Replicas on one CPU host: torch's threads per replica.
+
+torch runs a CPU forward on every core by default, in an OpenMP team whose threads spin while
+they wait for each other. Two replicas on one host, each with a team as large as the host,
+take the cores from each other's teams, and every parallel region then waits for a thread
+that is not running (docs/configuration.md, "Threads on a shared CPU"). compose's `scale`
+profile runs its replicas so, on one host.
+
+`python -m bench.replica_threads` serves the embedded encoder (spam-minilm, caches off,
+admission off) from one replica with torch's default threads, then from two replicas started
+together on this host, first with the default threads and then with TORCH_NUM_THREADS set to
+the host's cores divided between them. Closed-loop clients (httpx, in processes of at most 16,
+on the same host) spread evenly over the replicas send one SMS a request; each configuration
+is measured in rounds after a warm-up, and the report gives the median. It writes
+bench/reports/replica_threads.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import gpu_load
+from bench.gpu_replicas import replicas
+from bench.report_files import write_report
+from bench.throughput import machine, sample_texts, wait_for_quiet
+
+REPO = Path(__file__).resolve().parents[1]
+REPORTS = REPO / "bench" / "reports"
+WORK = REPO / "bench" / "out" / "replica-threads"
+MODEL = "spam-minilm"
+CLIENTS = 32
+
+
+def encoder_models_file(folder: Path) -> Path:
+    """The embedded default's encoder alone, its relative paths made absolute."""
+    declared = yaml.safe_load((REPO / "artifacts" / "models.yaml").read_text(encoding="utf-8"))
+    (spec,) = [model for model in declared["models"] if model["name"] == MODEL]
+    for adapter in spec["adapters"]:
+        adapter["path"] = str(REPO / "artifacts" / adapter["path"])
+    path = folder / "models.yaml"
+    path.write_text(yaml.safe_dump({"models": [spec]}, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def configurations(cores: int) -> list[tuple[int, int | None]]:
+    """(replicas, TORCH_NUM_THREADS; None: torch's default, every core)."""
+    return [(1, None), (2, None), (2, max(1, cores // 2))]
+
+
+def run(seconds: float, rounds: int, warmup: float) -> dict[str, Any]:
+    WORK.mkdir(parents=True, exist_ok=True)
+    load_average = round(wait_for_quiet(300.0)["at_start"], 2)
+    cores = len(os.sched_getaffinity(0))
+    env = {
+        "MODELS_FILE": str(encoder_models_file(WORK)),
+        "MODEL_CACHE_DIR": str(WORK / "model-cache"),
+        "LRU_CACHE_ENTRIES": "0",
+        "DISK_CACHE_MAX_BYTES": "0",
+        # Every request queued and answered: the comparison is of throughput, not of refusals.
+        "ADMISSION_CONTROL": "false",
+        "OFFLINE": "true",
+    }
+    texts = sample_texts(2000)
+    rows = []
+    for count, threads in configurations(cores):
+        settings = env if threads is None else {**env, "TORCH_NUM_THREADS": str(threads)}
+        with replicas(count, settings, WORK) as servers:
+            urls = [server.url for server in servers]
+            points = [
+                gpu_load.load(urls, MODEL, texts, CLIENTS, seconds, warmup) for _ in range(rounds)
+            ]
+        rates = [point["texts_per_s"] for point in points]
+        middle = points[rates.index(statistics.median_low(rates))]
+        rows.append(
+            {
+                "replicas": count,
+                "torch_num_threads": threads,
+                "texts_per_s_rounds": rates,
+                "texts_per_s": statistics.median(rates),
+                "p50_ms": middle["p50_ms"],
+                "p99_ms": middle["p99_ms"],
+                "statuses": middle["statuses"],
+            }
+        )
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "load_average_at_start": load_average,
+        "cores": cores,
+        "clients": CLIENTS,
+        "seconds": seconds,
+        "rounds": rounds,
+        "rows": rows,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    machine_line = report["machine"]
+    one = report["rows"][0]["texts_per_s"]
+    lines = [
+        "# Replicas on one CPU host: torch's threads per replica",
+        "",
+        f"{report['date']}; {machine_line['cpu']}, {report['cores']} cores; "
+        f"load average at start {report['load_average_at_start']}. Written by "
+        "`python -m bench.replica_threads`.",
+        "",
+        f"The embedded encoder ({MODEL}), caches and admission off, served by one replica, then "
+        f"by two started together on this host; {report['clients']} closed-loop clients (httpx, "
+        "in processes of at most 16, on this host too) spread evenly over the replicas, one SMS "
+        f"a request; {report['rounds']} rounds of {report['seconds']:g} s after a warm-up, the "
+        "median round.",
+        "",
+        "| replicas | TORCH_NUM_THREADS | texts/s | against one replica | p50 ms | p99 ms "
+        "| rounds texts/s | statuses |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        threads = row["torch_num_threads"]
+        rounds = ", ".join(f"{rate:.0f}" for rate in row["texts_per_s_rounds"])
+        statuses = ", ".join(f"{code}: {n}" for code, n in row["statuses"].items())
+        lines.append(
+            f"| {row['replicas']} | {'unset (every core)' if threads is None else threads} "
+            f"| {row['texts_per_s']:.1f} | {row['texts_per_s'] / one:.2f} "
+            f"| {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {rounds} | {statuses} |"
+        )
+    return "\n".join([*lines, ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replica_threads", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--seconds", type=float, default=6.0, help="seconds a round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each round")
+    parser.add_argument("--out", type=Path, default=REPORTS)
+    args = parser.parse_args(argv)
+    report = run(args.seconds, args.rounds, args.warmup)
+    write_report(args.out, "replica_threads", report, markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
