@@ -140,6 +140,7 @@ def start_record(started: gpu_load.Started) -> dict[str, Any]:
     """A start's time to ready and each model's load phases and pre-quantized state."""
     return {
         "ready_s": started.ready_s,
+        "listening_s": started.listening_s,
         "models": {
             name: {
                 "load_seconds": model["load_seconds"],

@@ -30,12 +30,14 @@ SPAWN_S = 2.0
 
 @dataclass
 class Started:
-    """A running server, how long it took to answer /ready 200, and what /models said then."""
+    """A running server, how long it took to answer at all (its imports: the port opens once
+    the app is built) and to answer /ready 200, and what /models said then."""
 
     url: str
     pid: int
     ready_s: float
     models: dict[str, dict[str, Any]]
+    listening_s: float | None = None
 
 
 @contextmanager
@@ -51,24 +53,30 @@ def server(env: dict[str, str], log: Path) -> Iterator[Started]:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_ready(url, process, log)
+            listening = wait_ready(url, process, log)
             ready_s = time.perf_counter() - started
             models = httpx.get(f"{url}/models", timeout=30).json()["models"]
-            yield Started(url, process.pid, ready_s, {m["name"]: m for m in models})
+            yield Started(
+                url, process.pid, ready_s, {m["name"]: m for m in models}, listening - started
+            )
         finally:
             stop(process)
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> float:
+    """Polls /ready until it answers 200; when (`time.perf_counter`) it first answered at all."""
     deadline = time.monotonic() + READY_TIMEOUT_S
+    listening: float | None = None
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(
                 f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}"
             )
         with suppress(httpx.TransportError):
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
+            status = httpx.get(f"{url}/ready", timeout=2).status_code
+            listening = listening or time.perf_counter()
+            if status == 200:
+                return listening
         time.sleep(0.1)
     raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s; see {log}")
 

@@ -47,6 +47,8 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
     assert all(
         start["models"]["koelectra"]["prequantized_cache"] is None for start in starts.values()
     )
+    for start in starts.values():  # the port opens after the imports, before the loads end
+        assert 0 < start["listening_s"] < start["ready_s"]
     first_phases = starts["first start"]["models"]["exaone"]["load_seconds"]
     assert first_phases["save_quantized"] > 0
     assert starts["later start"]["models"]["exaone"]["load_seconds"]["save_quantized"] == 0
