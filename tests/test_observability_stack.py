@@ -142,7 +142,8 @@ def test_compose_stack_wires_the_service_prometheus_and_grafana() -> None:
     assert scrape["static_configs"][0]["targets"] == ["api:8000"]
 
     gpu = load_yaml(REPO_ROOT / "compose.gpu.yaml")["services"]
-    assert set(gpu) == {"api"} and gpu["api"]["build"]["dockerfile"] == "docker/Dockerfile.cuda"
+    assert set(gpu) == {"api", "replica"} and gpu["replica"] == gpu["api"]
+    assert gpu["api"]["build"]["dockerfile"] == "docker/Dockerfile.cuda"
     [device] = gpu["api"]["deploy"]["resources"]["reservations"]["devices"]
     assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
 

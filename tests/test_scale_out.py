@@ -112,14 +112,18 @@ def test_sigterm_to_one_replica_under_load_loses_no_request(
 # --- the compose profile, as Compose itself resolves it ---
 
 
-def compose_config(folder: Path, dotenv: str = "") -> dict[str, Any]:
-    """`docker compose --profile scale config` on the project's compose.yaml, with `dotenv`
-    as its .env and none of the caller's variables: by default, what a fresh checkout runs."""
+def compose_config(
+    folder: Path, dotenv: str = "", files: tuple[str, ...] = ("compose.yaml",)
+) -> dict[str, Any]:
+    """`docker compose --profile scale config` on the project's compose `files`, with
+    `dotenv` as its .env and none of the caller's variables: by default, what a fresh
+    checkout runs."""
     binary = shutil.which("docker-compose", path=str(Path(sys.executable).parent))
     assert binary, "docker-compose is not installed: .venv/bin/pip install -e '.[dev]'"
     env_file = folder / "compose.env"
     env_file.write_text(dotenv, encoding="utf-8")
-    command = [binary, "-f", "compose.yaml", "--env-file", str(env_file), "--profile", "scale"]
+    command = [binary, *(arg for name in files for arg in ("-f", name))]
+    command += ["--env-file", str(env_file), "--profile", "scale"]
     result = subprocess.run(
         [*command, "config", "--format", "json"],
         cwd=REPO_ROOT,
@@ -171,6 +175,27 @@ def test_compose_profile_scale_runs_replicas_behind_haproxy_with_redis(tmp_path:
     )
     check = subprocess.run([haproxy_binary(), "-c", "-f", str(HAPROXY_CONFIG)], capture_output=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_with_the_gpu_override_every_replica_runs_the_cuda_image_on_the_gpu(
+    tmp_path: Path,
+) -> None:
+    """compose.yaml's replicas copy `api` as that file defines it; the GPU override must give
+    them the GPU as well, or they would serve from the CPU beside it."""
+    gpu = compose_config(tmp_path, files=("compose.yaml", "compose.gpu.yaml"))["services"]
+    plain = compose_config(tmp_path)["services"]["replica"]
+    api, replica = gpu["api"], gpu["replica"]
+    assert replica["image"] == api["image"] == "loraserve:cuda"
+    assert replica["build"]["dockerfile"] == "docker/Dockerfile.cuda"
+    assert replica["environment"]["DEVICE"] == api["environment"]["DEVICE"] == "cuda"
+    reservations = replica["deploy"]["resources"]["reservations"]
+    assert reservations == api["deploy"]["resources"]["reservations"]
+    assert reservations["devices"][0]["capabilities"] == ["gpu"]
+    # What the replicas are beside that is kept: their number, profile, Redis and threads.
+    assert replica["deploy"]["replicas"] == plain["deploy"]["replicas"] == 3
+    assert replica["profiles"] == ["scale"] and not replica.get("ports")
+    for name in ("REDIS_URL", "REDIS_CACHE_SECRET", "TORCH_NUM_THREADS", "PORT"):
+        assert replica["environment"][name] == plain["environment"][name]
 
 
 def test_compose_redis_requires_a_password_and_the_replicas_sign_their_values(
