@@ -92,25 +92,31 @@ SMOKE = Plan(
 )
 
 
+def koelectra_entry(base: Path, adapter: Path, max_length: int) -> dict[str, Any]:
+    """KoELECTRA as the users declare it (docs/models.md): bf16, its spam adapter."""
+    return {
+        "name": KOELECTRA,
+        "base": str(base),
+        "quantization": "none",
+        "dtype": "bfloat16",
+        "adapters": [{"name": "spam", "path": str(adapter)}],
+        "labels": LABELS,
+        "max_length": max_length,
+    }
+
+
 def models_file(path: Path, built: BuiltModels, max_length: int) -> Path:
     """The users' models file (docs/models.md's), pointing at the built folders."""
-    common = {"labels": LABELS, "max_length": max_length}
     entries: list[dict[str, Any]] = [
-        {
-            "name": KOELECTRA,
-            "base": str(built.koelectra),
-            "quantization": "none",
-            "dtype": "bfloat16",
-            "adapters": [{"name": "spam", "path": str(built.koelectra_adapter)}],
-            **common,
-        },
+        koelectra_entry(built.koelectra, built.koelectra_adapter, max_length),
         {
             "name": EXAONE,
             "base": str(built.exaone),
             "quantization": "nf4",
             "compute_dtype": "bfloat16",
             "adapters": [{"name": "spam", "path": str(built.exaone_adapter)}],
-            **common,
+            "labels": LABELS,
+            "max_length": max_length,
         },
     ]
     path.write_text(yaml.safe_dump({"models": entries}, sort_keys=False), encoding="utf-8")

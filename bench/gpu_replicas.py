@@ -34,11 +34,11 @@ import torch
 import yaml
 
 from bench import gpu, gpu_load
-from bench.gpu_models import LABELS, TINY, USERS, Shapes, build_koelectra, texts
+from bench.gpu_models import TINY, USERS, Shapes, build_koelectra, texts
 from bench.report_files import write_report
 
 REPORT_NAME = "gpu-replicas"
-MODEL = "koelectra"
+MODEL = gpu.KOELECTRA
 # The users' GPU budget, split evenly between the replicas.
 BUDGET_GB = 16.0
 BATCH_METRICS = {
@@ -63,17 +63,9 @@ SMOKE = Plan(TINY, tokens=32, replicas=(1, 2), clients=(4,), seconds=1.0, warmup
 
 
 def models_file(path: Path, base: Path, adapter: Path, max_length: int) -> Path:
-    """KoELECTRA as the users declare it (docs/models.md), alone."""
-    entry = {
-        "name": MODEL,
-        "base": str(base),
-        "quantization": "none",
-        "dtype": "bfloat16",
-        "adapters": [{"name": "spam", "path": str(adapter)}],
-        "labels": LABELS,
-        "max_length": max_length,
-    }
-    path.write_text(yaml.safe_dump({"models": [entry]}, sort_keys=False), encoding="utf-8")
+    """KoELECTRA as the users declare it, alone."""
+    entries = [gpu.koelectra_entry(base, adapter, max_length)]
+    path.write_text(yaml.safe_dump({"models": entries}, sort_keys=False), encoding="utf-8")
     return path
 
 
