@@ -3,16 +3,15 @@
 torch runs a CPU forward on every core by default, in an OpenMP team whose threads spin while
 they wait for each other. Two replicas on one host, each with a team as large as the host,
 take the cores from each other's teams, and every parallel region then waits for a thread
-that is not running (docs/configuration.md, "Threads on a shared CPU"). compose's `scale`
-profile runs its replicas so, on one host.
+that is not running (docs/configuration.md, "Threads on a shared CPU").
 
 `python -m bench.replica_threads` serves the embedded encoder (spam-minilm, caches off,
-admission off) from one replica with torch's default threads, then from two replicas started
-together on this host, first with the default threads and then with TORCH_NUM_THREADS set to
-the host's cores divided between them. Closed-loop clients (httpx, in processes of at most 16,
-on the same host) spread evenly over the replicas send one SMS a request; each configuration
-is measured in rounds after a warm-up, and the report gives the median. It writes
-bench/reports/replica_threads.{md,json}.
+admission off) from one replica, then from two replicas started together on this host, each
+first with torch's default threads (every core) and then with TORCH_NUM_THREADS at half the
+host's cores. wrk's connections (one wrk process a replica, on the same host), spread evenly
+over the replicas, send one SMS a request; each configuration is measured in rounds after a
+warm-up, and the report gives the median. It writes bench/reports/replica_threads.{md,json}.
+For this, compose's `scale` profile sets its replicas' threads (REPLICA_TORCH_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -21,16 +20,17 @@ import argparse
 import os
 import statistics
 import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench import gpu_load
 from bench.gpu_replicas import replicas
 from bench.report_files import write_report
-from bench.throughput import machine, sample_texts, wait_for_quiet
+from bench.throughput import machine, run_wrk, sample_texts, wait_for_quiet, write_bodies
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "bench" / "reports"
@@ -51,8 +51,11 @@ def encoder_models_file(folder: Path) -> Path:
 
 
 def configurations(cores: int) -> list[tuple[int, int | None]]:
-    """(replicas, TORCH_NUM_THREADS; None: torch's default, every core)."""
-    return [(1, None), (2, None), (2, max(1, cores // 2))]
+    """(replicas, TORCH_NUM_THREADS; None: torch's default, every core): one and two
+    replicas, each with every core and with half of them, so that what splitting the cores
+    does apart from adding a replica shows too."""
+    half = max(1, cores // 2)
+    return [(1, None), (1, half), (2, None), (2, half)]
 
 
 def run(seconds: float, rounds: int, warmup: float) -> dict[str, Any]:
@@ -68,26 +71,22 @@ def run(seconds: float, rounds: int, warmup: float) -> dict[str, Any]:
         "ADMISSION_CONTROL": "false",
         "OFFLINE": "true",
     }
-    texts = sample_texts(2000)
+    bodies = write_bodies(sample_texts(2000), WORK / "bodies.txt")
     rows = []
     for count, threads in configurations(cores):
         settings = env if threads is None else {**env, "TORCH_NUM_THREADS": str(threads)}
         with replicas(count, settings, WORK) as servers:
             urls = [server.url for server in servers]
-            points = [
-                gpu_load.load(urls, MODEL, texts, CLIENTS, seconds, warmup) for _ in range(rounds)
-            ]
+            together(urls, warmup, bodies)
+            points = [together(urls, seconds, bodies) for _ in range(rounds)]
         rates = [point["texts_per_s"] for point in points]
-        middle = points[rates.index(statistics.median_low(rates))]
         rows.append(
             {
                 "replicas": count,
                 "torch_num_threads": threads,
                 "texts_per_s_rounds": rates,
+                **points[rates.index(statistics.median_low(rates))],
                 "texts_per_s": statistics.median(rates),
-                "p50_ms": middle["p50_ms"],
-                "p99_ms": middle["p99_ms"],
-                "statuses": middle["statuses"],
             }
         )
     return {
@@ -102,6 +101,22 @@ def run(seconds: float, rounds: int, warmup: float) -> dict[str, Any]:
     }
 
 
+def together(urls: list[str], seconds: float, bodies: Path) -> dict[str, Any]:
+    """One wrk a replica, CLIENTS connections in all, run at once: texts/s of them all, the
+    slowest replica's p50 and p99, and every status."""
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        runs = list(pool.map(lambda url: run_wrk(url, CLIENTS // len(urls), seconds, bodies), urls))
+    statuses: Counter[str] = Counter()
+    for summary in runs:
+        statuses.update({str(code): int(n) for code, n in summary["statuses"].items()})
+    return {
+        "texts_per_s": sum(r["requests"] / (r["duration_us"] / 1e6) for r in runs),
+        "p50_ms": max(r["latency_us"]["p50"] for r in runs) / 1000,
+        "p99_ms": max(r["latency_us"]["p99"] for r in runs) / 1000,
+        "statuses": dict(sorted(statuses.items())),
+    }
+
+
 def markdown(report: dict[str, Any]) -> str:
     machine_line = report["machine"]
     one = report["rows"][0]["texts_per_s"]
@@ -113,12 +128,13 @@ def markdown(report: dict[str, Any]) -> str:
         "`python -m bench.replica_threads`.",
         "",
         f"The embedded encoder ({MODEL}), caches and admission off, served by one replica, then "
-        f"by two started together on this host; {report['clients']} closed-loop clients (httpx, "
-        "in processes of at most 16, on this host too) spread evenly over the replicas, one SMS "
-        f"a request; {report['rounds']} rounds of {report['seconds']:g} s after a warm-up, the "
-        "median round.",
+        f"by two started together on this host, each with torch's default threads and with "
+        f"half the cores; {report['clients']} wrk connections in all (one wrk a replica, on "
+        "this host too) spread evenly over the replicas, one SMS a request; "
+        f"{report['rounds']} rounds of {report['seconds']:g} s after a warm-up, the median "
+        "round (p50 and p99: the slowest replica's).",
         "",
-        "| replicas | TORCH_NUM_THREADS | texts/s | against one replica | p50 ms | p99 ms "
+        "| replicas | TORCH_NUM_THREADS | texts/s | against the first row | p50 ms | p99 ms "
         "| rounds texts/s | statuses |",
         "|---|---|---|---|---|---|---|---|",
     ]
