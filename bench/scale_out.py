@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -43,6 +45,8 @@ REPORTS = REPO_ROOT / "bench" / "reports"
 TEXTS = 200
 SECONDS = 8.0
 CLIENTS = (1, 4, 16, 64)
+# Each point's texts: the collection this many times over, each made new by a number.
+UNSEEN_ROUNDS = 4
 
 
 def start_replica(stack: ExitStack, env: dict[str, str], folder: Path) -> dict[str, Any]:
@@ -86,12 +90,13 @@ def one_by_one(url: str, texts: list[str]) -> dict[str, Any]:
 
 def queue_wait_under_load(server: ServerProcess, texts: list[str]) -> list[dict[str, Any]]:
     points = []
-    offset = 0
     for clients in CLIENTS:
         total = metric(server.url, "loraserve_queue_wait_seconds_sum")
         count = metric(server.url, "loraserve_queue_wait_seconds_count")
-        result = run_load(server.url, clients, SECONDS, texts[offset:])
-        offset += result.requests
+        # Texts no point has sent before: the collection's, each with the point's own number
+        # (a quiet machine answers more requests in a point than the collection holds).
+        fresh = [f"{text} {clients}.{n}" for n, text in enumerate(texts * UNSEEN_ROUNDS)]
+        result = run_load(server.url, clients, SECONDS, fresh)
         waited = metric(server.url, "loraserve_queue_wait_seconds_sum") - total
         ran = metric(server.url, "loraserve_queue_wait_seconds_count") - count
         points.append(
@@ -108,6 +113,10 @@ def queue_wait_under_load(server: ServerProcess, texts: list[str]) -> list[dict[
 
 
 def run(folder: Path) -> dict[str, Any]:
+    secret = secrets.token_hex(32)
+    # Both replicas run on this host and split its cores, as compose's replicas do
+    # (REPLICA_TORCH_NUM_THREADS): each with every core, they collapse when both are busy.
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
     texts = sms_texts(5000)
     cross, rest = texts[:TEXTS], texts[TEXTS:]
     redis = RedisServer(folder)
@@ -116,7 +125,13 @@ def run(folder: Path) -> dict[str, Any]:
         stack.callback(redis.kill)
         replicas = []
         for name in ("a", "b"):
-            env = {"REDIS_URL": redis.url, "DISK_CACHE_DIR": str(folder / f"disk-{name}")}
+            env = {
+                "REDIS_URL": redis.url,
+                # The replicas sign what they share; the service refuses a Redis without it.
+                "REDIS_CACHE_SECRET": secret,
+                "DISK_CACHE_DIR": str(folder / f"disk-{name}"),
+                "TORCH_NUM_THREADS": str(threads),
+            }
             replicas.append(start_replica(stack, env, folder))
         a, b = (replica["server"] for replica in replicas)
         computed = one_by_one(a.url, cross)
@@ -137,6 +152,7 @@ def run(folder: Path) -> dict[str, Any]:
         del phase["answers"]
     return {
         "replicas": replicas,
+        "torch_num_threads": threads,
         "cross_replica": {
             "texts": len(cross),
             "computed_on_a": computed,
@@ -160,7 +176,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Written by `python -m bench.scale_out` on {meta['date']}; 2-core CPU, load average "
         f"{meta['load']['at_start']} at the start, {meta['load_end']} at the end. The embedded "
-        "default (spam-minilm and spam-smollm2), default settings, REDIS_URL set.",
+        "default (spam-minilm and spam-smollm2), default settings, REDIS_URL and "
+        f"REDIS_CACHE_SECRET set, TORCH_NUM_THREADS={report['torch_num_threads']} in each "
+        "replica (the two share this host's cores, as compose's replicas do).",
         "",
         "## What a replica costs",
         "",
