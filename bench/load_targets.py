@@ -94,9 +94,13 @@ def prepare(target: str) -> None:
 
 
 def source_folder(target: str) -> Path:
-    """The folder of the weights a target is quantized from."""
+    """The folder of the weights a target is quantized from: for SmolLM2, where the service
+    itself resolves it (its GGUF's conversion in the target's model cache)."""
     if target == SMOLLM2:
-        return model_cache(SMOLLM2) / "smollm2-135m-instruct"
+        from api.models.loader import resolve_folder
+
+        folder, _ = resolve_folder(*service_target(SMOLLM2, QUANTIZE_AT_START))
+        return folder
     return LLAMA_FOLDER
 
 
