@@ -112,6 +112,18 @@ def queue_wait_under_load(server: ServerProcess, texts: list[str]) -> list[dict[
     return points
 
 
+def replica_env(redis_url: str, secret: str, disk: Path, threads: int) -> dict[str, str]:
+    """A replica's settings beside the defaults: the shared Redis, the secret the replicas
+    sign what they share with (the service refuses a Redis without it), its own disk tier, and
+    its share of this host's cores."""
+    return {
+        "REDIS_URL": redis_url,
+        "REDIS_CACHE_SECRET": secret,
+        "DISK_CACHE_DIR": str(disk),
+        "TORCH_NUM_THREADS": str(threads),
+    }
+
+
 def run(folder: Path) -> dict[str, Any]:
     secret = secrets.token_hex(32)
     # Both replicas run on this host and split its cores, as compose's replicas do
@@ -125,13 +137,7 @@ def run(folder: Path) -> dict[str, Any]:
         stack.callback(redis.kill)
         replicas = []
         for name in ("a", "b"):
-            env = {
-                "REDIS_URL": redis.url,
-                # The replicas sign what they share; the service refuses a Redis without it.
-                "REDIS_CACHE_SECRET": secret,
-                "DISK_CACHE_DIR": str(folder / f"disk-{name}"),
-                "TORCH_NUM_THREADS": str(threads),
-            }
+            env = replica_env(redis.url, secret, folder / f"disk-{name}", threads)
             replicas.append(start_replica(stack, env, folder))
         a, b = (replica["server"] for replica in replicas)
         computed = one_by_one(a.url, cross)

@@ -21,7 +21,8 @@ import httpx
 import pytest
 import redis
 
-from api.settings import Settings
+from api.settings import Settings, SettingsError, load_settings
+from bench.scale_out import replica_env
 from tests.conftest import wait_for
 from tests.haproxy_process import HAPROXY_CONFIG, haproxy_binary, load_balancer
 from tests.load_client import run_load, sms_texts
@@ -196,6 +197,20 @@ def test_with_the_gpu_override_every_replica_runs_the_cuda_image_on_the_gpu(
     assert replica["profiles"] == ["scale"] and not replica.get("ports")
     for name in ("REDIS_URL", "REDIS_CACHE_SECRET", "TORCH_NUM_THREADS", "PORT"):
         assert replica["environment"][name] == plain["environment"][name]
+
+
+def test_the_scale_out_benchmark_gives_its_replicas_settings_the_service_accepts(
+    tmp_path: Path,
+) -> None:
+    """bench.scale_out's replicas share a Redis: their settings must carry what the service
+    asks of that (a benchmark that would not start is found here, not at its next run)."""
+    env = replica_env("redis://127.0.0.1:6379/0", "ab" * 32, tmp_path / "disk", threads=1)
+    settings = load_settings(_env_file=None, **{name.lower(): v for name, v in env.items()})
+    assert settings.redis_url is not None and settings.redis_cache_secret is not None
+    assert settings.torch_num_threads == 1
+    without_secret = {k.lower(): v for k, v in env.items() if k != "REDIS_CACHE_SECRET"}
+    with pytest.raises(SettingsError, match="REDIS_CACHE_SECRET"):
+        load_settings(_env_file=None, **without_secret)
 
 
 def test_compose_redis_requires_a_password_and_the_replicas_sign_their_values(
