@@ -6,9 +6,10 @@ half a minute that writes into bench/out/frontend-quick/ instead. It needs `wrk`
 (the project's `bench` extra; `make bench-frontend` installs both). Writes
 bench/reports/frontend.{md,json}. In one run:
 
-- the real server process (`python -m api.cli`, default settings) with a models file holding
-  only a simulated model (`simulated:` in the models file: the embedded base's tokenizer, no
-  weights, each batch answered after sleeping 2 ms + 1 µs a token);
+- the real server process (`python -m api.cli`, default settings but LOG_LEVEL=warning: no
+  access line a request) with a models file holding only a simulated model (`simulated:` in
+  the models file: the embedded base's tokenizer, no weights, each batch answered after
+  sleeping SIMULATED's 0.5 ms + 0.1 µs a token);
 - `/health` and fresh one-text `/predict` requests (texts never sent before, so no cache tier
   answers: bench/wrk/fresh.lua) from 64 wrk connections, alternating for a few rounds: the
   requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
