@@ -1,5 +1,6 @@
-"""What bench.gpu measures on the real server process: its start, a batch's latency, load from
-many clients, the cascade, and GPU memory, all over HTTP and /metrics."""
+"""What bench.gpu measures on the real server process: its start (one server, or several
+started together), a batch's latency, load from many clients, the cascade, and GPU memory,
+all over HTTP and /metrics."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -35,9 +37,9 @@ class Started:
 
     url: str
     pid: int
+    listening_s: float
     ready_s: float
     models: dict[str, dict[str, Any]]
-    listening_s: float | None = None
 
 
 @contextmanager
@@ -57,10 +59,34 @@ def server(env: dict[str, str], log: Path) -> Iterator[Started]:
             ready_s = time.perf_counter() - started
             models = httpx.get(f"{url}/models", timeout=30).json()["models"]
             yield Started(
-                url, process.pid, ready_s, {m["name"]: m for m in models}, listening - started
+                url=url,
+                pid=process.pid,
+                listening_s=listening - started,
+                ready_s=ready_s,
+                models={m["name"]: m for m in models},
             )
         finally:
             stop(process)
+
+
+@contextmanager
+def replicas(count: int, env: dict[str, str], work: Path) -> Iterator[list[Started]]:
+    """`count` servers started together; every one that started is stopped at the end, and
+    the first failure to start is raised once the others are in."""
+    with ExitStack() as stack, ThreadPoolExecutor(max_workers=count) as pool:
+        managers = [server(env, work / f"server-{count}-{i}.log") for i in range(count)]
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+        started, failure = [], None
+        for manager, future in zip(managers, futures, strict=True):
+            error = future.exception()
+            if error is None:
+                stack.push(manager.__exit__)
+                started.append(future.result())
+            elif failure is None:
+                failure = error
+        if failure is not None:
+            raise failure
+        yield started
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> float:

@@ -23,9 +23,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -69,26 +66,6 @@ def models_file(path: Path, base: Path, adapter: Path, max_length: int) -> Path:
     return path
 
 
-@contextmanager
-def replicas(count: int, env: dict[str, str], work: Path) -> Iterator[list[gpu_load.Started]]:
-    """`count` servers started together; every one that started is stopped at the end, and
-    the first failure to start is raised once the others are in."""
-    with ExitStack() as stack, ThreadPoolExecutor(max_workers=count) as pool:
-        managers = [gpu_load.server(env, work / f"server-{count}-{i}.log") for i in range(count)]
-        futures = [pool.submit(manager.__enter__) for manager in managers]
-        started, failure = [], None
-        for manager, future in zip(managers, futures, strict=True):
-            error = future.exception()
-            if error is None:
-                stack.push(manager.__exit__)
-                started.append(future.result())
-            elif failure is None:
-                failure = error
-        if failure is not None:
-            raise failure
-        yield started
-
-
 def batches(urls: list[str]) -> list[dict[str, float]]:
     """Each replica's batch counters."""
     return [gpu_load.metric_sums(url, BATCH_METRICS, model=MODEL) for url in urls]
@@ -99,7 +76,7 @@ def measure(plan: Plan, env: dict[str, str], corpus: list[str], work: Path) -> l
     rows: list[dict[str, Any]] = []
     for count in plan.replicas:
         budget = {**env, "MAX_MEMORY_GB": f"{BUDGET_GB / count:g}"}
-        with replicas(count, budget, work) as servers:
+        with gpu_load.replicas(count, budget, work) as servers:
             urls = [server.url for server in servers]
             points = []
             for clients in plan.clients:
@@ -114,6 +91,7 @@ def measure(plan: Plan, env: dict[str, str], corpus: list[str], work: Path) -> l
             used = gpu_load.gpu_memory(urls[0])["driver_used_gb"]
         for point, ran in points:
             forwards = [replica["loraserve_batch_size_count"] for replica in ran]
+            batches_run = sum(forwards)
             texts_run = sum(replica["loraserve_batch_size_sum"] for replica in ran)
             seconds = sum(replica["loraserve_batch_inference_seconds_sum"] for replica in ran)
             rows.append(
@@ -123,8 +101,8 @@ def measure(plan: Plan, env: dict[str, str], corpus: list[str], work: Path) -> l
                     "driver_used_gb": used,
                     **point,
                     "batches_per_replica": forwards,
-                    "mean_batch_texts": texts_run / sum(forwards) if sum(forwards) else None,
-                    "mean_batch_ms": 1000 * seconds / sum(forwards) if sum(forwards) else None,
+                    "mean_batch_texts": texts_run / batches_run if batches_run else None,
+                    "mean_batch_ms": 1000 * seconds / batches_run if batches_run else None,
                 }
             )
     return rows

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from bench.gpu_replicas import replicas
+from bench.gpu_load import replicas
 from bench.report_files import write_report
 from bench.throughput import machine, run_wrk, sample_texts, wait_for_quiet, write_bodies
 
