@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,23 +22,30 @@ from tests.server_process import REPO_ROOT, run_server
 from tests.tiny_models import write_models_file
 
 
-@pytest.mark.timeout(600)
-def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
+def smoke_run(module: str, report: str, tmp_path: Path, timeout: float) -> tuple[Any, str]:
+    """`python -m bench.<module> --smoke` in its own process, into `tmp_path`: the report's
+    figures (`<report>.json`) and page (`<report>.md`)."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "bench.gpu", "--smoke", "--work", str(tmp_path / "work")]
+    command = [sys.executable, "-m", f"bench.{module}", "--smoke"]
+    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(
-        [*command, "--out", str(out)],
+        command,
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=590,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((out / "gpu.json").read_text(encoding="utf-8"))
-    markdown = (out / "gpu.md").read_text(encoding="utf-8")
+    figures = json.loads((out / f"{report}.json").read_text(encoding="utf-8"))
+    return figures, (out / f"{report}.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.timeout(600)
+def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
+    report, markdown = smoke_run("gpu", "gpu", tmp_path, timeout=590)
 
     starts = report["starts"]
     states = {
@@ -117,15 +125,7 @@ def test_client_shares_give_each_server_as_many_clients_give_or_take_one(servers
 def test_the_replicas_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
     """bench.gpu_replicas on tiny shapes: one and two real servers started together, the
     clients spread over both (each ran batches), every request answered."""
-    out = tmp_path / "out"
-    command = [sys.executable, "-m", "bench.gpu_replicas", "--smoke"]
-    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=290, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((out / "gpu-replicas.json").read_text(encoding="utf-8"))
+    report, markdown = smoke_run("gpu_replicas", "gpu-replicas", tmp_path, timeout=290)
     rows = report["rows"]
     assert [(row["replicas"], row["clients"]) for row in rows] == [(1, 4), (2, 4)]
     for row in rows:
@@ -134,8 +134,8 @@ def test_the_replicas_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) ->
         assert len(row["batches_per_replica"]) == row["replicas"]
         assert all(count > 0 for count in row["batches_per_replica"])
         assert row["mean_batch_texts"] >= 1
-    assert gpu_replicas.markdown(report) == (out / "gpu-replicas.md").read_text(encoding="utf-8")
-    assert "smoke run: not a GPU's figures" in gpu_replicas.markdown(report)
+    assert gpu_replicas.markdown(report) == markdown
+    assert "smoke run: not a GPU's figures" in markdown
     assert gpu_replicas.main(["--smoke", "--out", str(REPORTS)]) == 2
 
 
