@@ -13,6 +13,9 @@ bench/reports/frontend.{md,json}. In one run:
 - `/health` and fresh one-text `/predict` requests (texts never sent before, so no cache tier
   answers: bench/wrk/fresh.lua) from 64 wrk connections, alternating for a few rounds: the
   requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
+- in the same rounds, `/predict` of one text the in-process cache holds (one body,
+  bench/wrk/predict.lua): the route, the lifecycle and the cache without the model path,
+  which is what a front-end process apart from the model would keep of a fresh `/predict`;
 - CPU time per request of each of the server's threads (/proc/<pid>/task/*/stat, named
   through `py-spy dump`), in the same runs;
 - a profile of one more /predict run by `py-spy record` (raw folded stacks, threads on a
@@ -46,6 +49,7 @@ from bench.revisions import checkout, head_description
 from bench.threads import PY_SPY, per_thread_us, thread_cpu_seconds, thread_names
 from bench.throughput import (
     FRESH_LUA,
+    LUA,
     REPORTS,
     WORK,
     children_cpu_seconds,
@@ -56,6 +60,7 @@ from bench.throughput import (
     scrape,
     server,
     wait_for_quiet,
+    write_bodies,
     write_literals,
     wrk,
 )
@@ -90,6 +95,7 @@ class Rule:
         return not self.functions or function.rsplit(".", 1)[-1] in self.functions
 
 
+CACHED_ROUTE = "/predict, cached"
 QUEUE = "queue, futures, device hand-off"
 ASGI = "ASGI layers (starlette, fastapi, middleware)"
 # A sample's stage is that of its innermost frame that one of these rules matches, trying
@@ -328,7 +334,11 @@ def run(
     # the servers' logs, not in the report folder.
     scratch = WORK / "frontend"
     scratch.mkdir(parents=True, exist_ok=True)
-    texts = write_literals(sample_texts(2000), scratch / "frontend-texts.txt")
+    sampled = sample_texts(2000)
+    texts = write_literals(sampled, scratch / "frontend-texts.txt")
+    # The cached route asks for one text of the fresh ones' median length, again and again.
+    median_text = sorted(sampled, key=len)[len(sampled) // 2]
+    cached_env = {"BODIES": str(write_bodies([median_text], scratch / "frontend-cached.txt"))}
     env = {"MODELS_FILE": str(write_models_file(scratch))}
     code = {"head": REPO}
     base_commit = None
@@ -337,6 +347,7 @@ def run(
     load_at_start = wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]  # the last runs' tail
     health: dict[str, list[LoadPoint]] = {name: [] for name in code}
     predict: dict[str, list[LoadPoint]] = {name: [] for name in code}
+    cached: dict[str, list[LoadPoint]] = {name: [] for name in code}
     profiled: dict[str, dict[str, Any]] = {}
     names = list(code)
     for number in range(rounds):
@@ -347,12 +358,14 @@ def run(
                 url, pid = target.url, target.pid
                 wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
                 wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
+                wrk(url, CLIENTS, 1, LUA, cached_env)  # its first request fills the cache
                 health[name].append(
                     load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {})
                 )
                 predict[name].append(
                     load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts))
                 )
+                cached[name].append(load_point(CACHED_ROUTE, url, pid, seconds, LUA, cached_env))
                 if number == rounds - 1:
                     raw_path = scratch / f"profile-{name}.txt"
                     profiled[name] = profile(url, pid, profile_seconds, texts, raw_path)
@@ -363,31 +376,46 @@ def run(
         "clients": CLIENTS,
         "seconds_per_run": seconds,
         "simulated": SIMULATED,
-        **summary(health["head"], predict["head"], profiled["head"]),
+        **summary(health["head"], predict["head"], cached["head"], profiled["head"]),
         "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
     }
     if base_commit is not None:
         result["base"] = {
             "revision": base_commit,
             "head": head_description(),
-            **summary(health["base"], predict["base"], profiled["base"]),
+            **summary(health["base"], predict["base"], cached["base"], profiled["base"]),
         }
     return result
 
 
 def summary(
-    health: list[LoadPoint], predict: list[LoadPoint], profiled: dict[str, Any]
+    health: list[LoadPoint],
+    predict: list[LoadPoint],
+    cached: list[LoadPoint],
+    profiled: dict[str, Any],
 ) -> dict[str, Any]:
-    """One server's rounds: the ratio of each, the median round's points, its profile."""
+    """One server's rounds: the ratio of each (fresh and cached /predict to /health), the
+    median round's points (by the fresh ratio), its profile."""
     ratios = [p.requests_per_s / h.requests_per_s for h, p in zip(health, predict, strict=True)]
+    cached_ratios = [
+        c.requests_per_s / h.requests_per_s for h, c in zip(health, cached, strict=True)
+    ]
     median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
     return {
         "ratio": round(statistics.median(ratios), 3),
         "ratios": [round(ratio, 3) for ratio in ratios],
+        "cached_ratio": round(statistics.median(cached_ratios), 3),
+        "cached_ratios": [round(ratio, 3) for ratio in cached_ratios],
         "predict_cpu_us_median": statistics.median(p.server_cpu_us_per_request for p in predict),
-        "median_round": {"health": asdict(health[median]), "predict": asdict(predict[median])},
+        "cached_cpu_us_median": statistics.median(c.server_cpu_us_per_request for c in cached),
+        "median_round": {
+            "health": asdict(health[median]),
+            "predict": asdict(predict[median]),
+            "cached": asdict(cached[median]),
+        },
         "health": [asdict(point) for point in health],
         "predict": [asdict(point) for point in predict],
+        "cached": [asdict(point) for point in cached],
         "profile": profiled,
     }
 
@@ -395,6 +423,7 @@ def summary(
 def report(result: dict[str, Any]) -> str:
     """The Markdown report of one run."""
     m, h, p = result["machine"], result["median_round"]["health"], result["median_round"]["predict"]
+    c = result["median_round"]["cached"]
     prof = result["profile"]
     lines = [
         "# Front end: one text a request on a simulated device",
@@ -406,13 +435,15 @@ def report(result: dict[str, Any]) -> str:
         f"The real server with one simulated model ({result['simulated']['seconds_per_batch']} s "
         f"a batch + {result['simulated']['seconds_per_token']} s a token, never the limit), "
         f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health "
-        "and /predict alternating; /predict sends one text never sent before a request.",
+        "and /predict alternating; /predict sends one text never sent before a request, "
+        f"{CACHED_ROUTE} one text (of the fresh ones' median length) that the in-process "
+        "cache holds.",
         "",
         "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request | server cores "
         "| wrk CPU µs/request |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for point in (h, p):
+    for point in (h, p, c):
         lines.append(
             f"| {point['route']} | {point['requests_per_s']:,.0f} | {point['p50_ms']} | "
             f"{point['p99_ms']} | {point['statuses']} | {point['server_cpu_us_per_request']} | "
@@ -424,6 +455,13 @@ def report(result: dict[str, Any]) -> str:
         f"/predict at **{result['ratio']}** of /health's rate (median of the rounds "
         f"{result['ratios']}; target ≥ {target['ratio']}), p99 {p['p99_ms']} ms (target < "
         f"{target['p99_ms']} ms).",
+        "",
+        f"{CACHED_ROUTE} at **{result['cached_ratio']}** of /health's rate (median of the "
+        f"rounds {result['cached_ratios']}; {result['cached_cpu_us_median']} µs of server CPU "
+        f"a request against {result['predict_cpu_us_median']} for a fresh one): the HTTP "
+        "server, the route, the lifecycle and the cache, without the model path (tokenizing, "
+        "admission, the batcher, the batch worker, the disk tier), which is what a front-end "
+        "process apart from the model would keep of a /predict, before its hop to the model.",
         "",
         f"In that /predict run the declared device slept {p['device_busy']:.0%} of the time "
         f"(batches of {p['batch_rows']} texts on average), and the batch worker took "
@@ -472,15 +510,15 @@ def comparison(result: dict[str, Any]) -> list[str]:
         "round, for the stages).",
         "",
         "| | /health req/s | /predict req/s | ratio | ratio of each round | /predict p99 ms "
-        "| server CPU µs a /predict |",
-        "|---|---:|---:|---:|---|---:|---:|",
+        "| server CPU µs a /predict | cached ratio |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name, found in ((base["revision"], base), (base["head"], result)):
         h, p = found["median_round"]["health"], found["median_round"]["predict"]
         lines.append(
             f"| {name} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
             f"| {found['ratio']} | {found['ratios']} | {p['p99_ms']} "
-            f"| {found['predict_cpu_us_median']} |"
+            f"| {found['predict_cpu_us_median']} | {found['cached_ratio']} |"
         )
     lines += [
         "",

@@ -1,11 +1,22 @@
-"""bench.frontend's profile folding: each py-spy stack goes to the stage of the code that
-called the library at its leaf, and samples are counted by stage and by thread."""
+"""bench.frontend's profile folding (each py-spy stack goes to the stage of the code that
+called the library at its leaf, and samples are counted by stage and by thread) and its
+summary of the rounds (each route's rate against the same round's /health)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.frontend import ASGI, NATIVE, QUEUE, cpu_by_stage, fold, stage_of
+from bench.frontend import (
+    ASGI,
+    CACHED_ROUTE,
+    NATIVE,
+    QUEUE,
+    LoadPoint,
+    cpu_by_stage,
+    fold,
+    stage_of,
+    summary,
+)
 
 SITE = "/venv/lib/python3.11/site-packages"
 LOOP = [
@@ -62,3 +73,37 @@ def test_each_threads_cpu_time_is_shared_out_by_its_samples() -> None:
     assert stages == pytest.approx(
         {"event loop": 0.6, "route and lifecycle": 0.2, "predictor": 0.05, QUEUE: 0.15, NATIVE: 0.1}
     )
+
+
+def load_point(route: str, rate: float, cpu_us: float) -> LoadPoint:
+    return LoadPoint(
+        route=route,
+        seconds=10.0,
+        requests=int(rate * 10),
+        requests_per_s=rate,
+        p50_ms=1.0,
+        p99_ms=2.0,
+        statuses={"200": int(rate * 10)},
+        socket_errors=0,
+        server_cpu_us_per_request=cpu_us,
+        server_cores=1.0,
+        client_cpu_us_per_request=20.0,
+        thread_cpu_us_per_request={"MainThread": cpu_us},
+    )
+
+
+def test_each_round_compares_fresh_and_cached_predict_with_its_own_health() -> None:
+    health = [load_point("/health", rate, 100.0) for rate in (1000.0, 2000.0, 1000.0)]
+    fresh = [
+        load_point("/predict", rate, cpu) for rate, cpu in ((300, 330), (800, 300), (350, 310))
+    ]
+    cached = [load_point(CACHED_ROUTE, rate, 120.0) for rate in (800.0, 1000.0, 900.0)]
+    found = summary(health, fresh, cached, {})
+    # Rounds' ratios 0.3, 0.4, 0.35 (fresh) and 0.8, 0.5, 0.9 (cached): medians 0.35 and 0.8.
+    assert found["ratios"] == [0.3, 0.4, 0.35]
+    assert (found["ratio"], found["cached_ratio"]) == (0.35, 0.8)
+    assert found["cached_ratios"] == [0.8, 0.5, 0.9]
+    # The median round is the one whose fresh ratio is the median: the third.
+    assert found["median_round"]["predict"]["requests_per_s"] == 350
+    assert found["median_round"]["cached"]["requests_per_s"] == 900.0
+    assert (found["predict_cpu_us_median"], found["cached_cpu_us_median"]) == (310, 120.0)
