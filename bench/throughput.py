@@ -209,6 +209,14 @@ def wait_for_quiet(limit_s: float, poll_s: float = 30.0) -> dict[str, float]:
 
 
 def machine() -> dict[str, Any]:
+    """The host, and the load client (wrk) the benchmark drives it with."""
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
+    client = wrk_version.splitlines()[0].split(" Copyright")[0] if wrk_version else "wrk"
+    return {**host(), "client": client}
+
+
+def host() -> dict[str, Any]:
+    """CPU, cores, memory, torch and Python of this machine."""
     cpu = "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -219,14 +227,12 @@ def machine() -> dict[str, Any]:
         for line in Path("/proc/meminfo").read_text().splitlines()
         if line.startswith("MemTotal:")
     )
-    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
     return {
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0)),
         "ram_gib": round(kib / 2**20, 1),
         "torch": version("torch"),
         "python": sys.version.split()[0],
-        "client": wrk_version.splitlines()[0].split(" Copyright")[0] if wrk_version else "wrk",
     }
 
 
