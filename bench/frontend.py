@@ -434,10 +434,10 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"The real server with one simulated model ({result['simulated']['seconds_per_batch']} s "
         f"a batch + {result['simulated']['seconds_per_token']} s a token, never the limit), "
-        f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health "
-        "and /predict alternating; /predict sends one text never sent before a request, "
-        f"{CACHED_ROUTE} one text (of the fresh ones' median length) that the in-process "
-        "cache holds.",
+        f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health, "
+        "/predict and the cached /predict in turn; /predict sends one text never sent before "
+        "a request, the cached one the same text every time (of the fresh ones' median "
+        "length), which the in-process cache holds.",
         "",
         "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request | server cores "
         "| wrk CPU µs/request |",
