@@ -254,7 +254,7 @@ class ModelSideRun:
     """One run of `requests` fresh one-text classifications on the model's runner."""
 
     requests: int  # answered
-    refused: int  # admission's refusals, each asked again after REFUSED_PAUSE_SECONDS
+    refused: int  # admission's refusals; after one, the client waits, then asks the next
     cpu_us: float  # this process's CPU a request, every thread
     requests_per_s: float
     cores: float  # CPU seconds a second
@@ -273,7 +273,7 @@ async def classify_fresh(
             asked += 1
             try:
                 found = await runner.classify([text], None, True, cache, time.monotonic() + 10)
-            except NotAdmitted:  # /predict's 429: the client waits, then asks again
+            except NotAdmitted:  # /predict's 429: the client waits, then asks the next
                 refused += 1
                 await asyncio.sleep(REFUSED_PAUSE_SECONDS)
                 continue
