@@ -121,7 +121,7 @@ RULES = (
     Rule("body parse and validation", "api/http/routes/common.py", ("read_body",)),
     Rule("response", "starlette/responses.py"),
     Rule("response", "fastapi/routing.py", ("serialize_response",)),
-    Rule("response", "api/http/routes/tei.py", ("rank",)),
+    Rule("response", "api/serving/ranking.py"),
     Rule("response", "api/http/lifecycle.py", ("headers",)),
     Rule("metrics", "prometheus_client/"),
     Rule("metrics", "api/http/middleware/observe.py"),

@@ -12,11 +12,11 @@ from api.batch.scoring import Outcome, Refused, Servable, Target, refusal_of
 from api.http.app import create_app
 from api.http.errors import ServiceError
 from api.http.lifecycle import check_lengths, pick_cascade, pick_runner, service_error
-from api.http.routes.tei import rank
 from api.http.state import Phase, ServiceState
 from api.models.spec import ModelSpec
 from api.serving.cascade import CASCADE_NAME
 from api.serving.classify import ModelRunner
+from api.serving.ranking import rank
 from api.settings import Settings
 
 # No client waits on a file's texts: the batcher's queue, not a deadline, paces them.

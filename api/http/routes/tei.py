@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.http.lifecycle import Call, handle
 from api.http.routes.common import OwnBodyRoute, json_body, read_body, state_of
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
-from api.models.predictor import Scores
+from api.serving.ranking import rank
 
-Ranked = dict[str, str | float]
 ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody} for status in (401, 404, 413, 422, 429, 500, 503, 504)
 }
@@ -42,19 +39,3 @@ async def predict(request: Request) -> Response:
     # one text is a list holding that list.
     one_list = isinstance(body.inputs, str) and body.parameters is None
     return JSONResponse(ranked[0] if one_list else ranked, headers=headers)
-
-
-def rank(labels: list[str], scores: Scores, shown: str, top_k: int | None) -> list[Ranked]:
-    """Labels with their scores (`shown`: softmax, sigmoid or none), best first, shaped as
-    `LabelScore`."""
-    if shown == "none":
-        values = scores.logits
-    elif shown == "sigmoid":
-        values = tuple(
-            1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
-            for x in scores.logits
-        )
-    else:
-        values = scores.probabilities
-    pairs = sorted(zip(labels, values, strict=True), key=lambda p: -p[1])
-    return [{"label": label, "score": score} for label, score in pairs[:top_k]]
