@@ -46,7 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.revisions import checkout, head_description
-from bench.threads import PY_SPY, per_thread_us, thread_cpu_seconds, thread_names
+from bench.threads import (
+    PY_SPY,
+    per_thread_us,
+    thread_cpu_seconds,
+    thread_names,
+    thread_waits,
+    waits_per_request,
+)
 from bench.throughput import (
     FRESH_LUA,
     LUA,
@@ -164,6 +171,10 @@ class LoadPoint:
     server_cores: float  # the server's CPU seconds a second of the run
     client_cpu_us_per_request: float  # wrk's own
     thread_cpu_us_per_request: dict[str, float]
+    # Voluntary context switches a request (all threads, and by thread): each is a thread
+    # giving up its core to wait, for the GIL among others.
+    waits_per_request: float
+    thread_waits_per_request: dict[str, float]
     batch_rows: float = 0.0  # texts a batch, on average (0: no batch ran)
     # Shares of the run: the declared device's sleeps, and the batch worker's forwards (the
     # sleeps, the scores, and its waits for the GIL).
@@ -235,9 +246,11 @@ def load_point(
     server_url = url.removesuffix("/health")
     batches_before = scrape(server_url)
     threads_before, cpu_before = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    waits_before = thread_waits(pid)
     client_before = children_cpu_seconds()
     summary = wrk(url, CLIENTS, seconds, script, env)
     threads_after, cpu_after = thread_cpu_seconds(pid), process_cpu_seconds(pid)
+    waits = waits_per_request(waits_before, thread_waits(pid), names, summary["requests"])
     client_used = children_cpu_seconds() - client_before
     batches = {k: v - batches_before[k] for k, v in scrape(server_url).items()}
     requests, duration = summary["requests"], summary["duration_us"] / 1e6
@@ -260,6 +273,8 @@ def load_point(
         server_cores=round((cpu_after - cpu_before) / duration, 2),
         client_cpu_us_per_request=round(1e6 * client_used / max(requests, 1), 1),
         thread_cpu_us_per_request=per_thread_us(threads_before, threads_after, names, requests),
+        waits_per_request=round(sum(waits.values()), 3),
+        thread_waits_per_request=waits,
         batch_rows=round(batches["loraserve_batch_size_sum"] / count, 1) if count else 0.0,
         device_busy=round(slept / duration, 3),
         worker_busy=round(batches["loraserve_batch_inference_seconds_sum"] / duration, 3),
@@ -440,15 +455,21 @@ def report(result: dict[str, Any]) -> str:
         "length), which the in-process cache holds.",
         "",
         "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request | server cores "
-        "| wrk CPU µs/request |",
-        "|---|---|---|---|---|---|---|---|",
+        "| server waits/request | wrk CPU µs/request |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for point in (h, p, c):
         lines.append(
             f"| {point['route']} | {point['requests_per_s']:,.0f} | {point['p50_ms']} | "
             f"{point['p99_ms']} | {point['statuses']} | {point['server_cpu_us_per_request']} | "
-            f"{point['server_cores']} | {point['client_cpu_us_per_request']} |"
+            f"{point['server_cores']} | {point.get('waits_per_request', '—')} | "
+            f"{point['client_cpu_us_per_request']} |"
         )
+    lines += [
+        "",
+        "Server waits: the kernel's voluntary context switches of the server's threads a "
+        "request, each a thread giving up its core to wait (for the GIL, a lock, a sleep).",
+    ]
     target = result["targets"]
     lines += [
         "",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import struct
 import subprocess
@@ -61,6 +62,7 @@ from api.serving.classify import ModelRunner
 from api.settings import load_settings
 from bench.frontend import write_models_file
 from bench.report_files import write_report
+from bench.threads import thread_waits
 from bench.throughput import REPORTS, host, process_cpu_seconds, sample_texts, wait_for_quiet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,6 +260,7 @@ class ModelSideRun:
     cpu_us: float  # this process's CPU a request, every thread
     requests_per_s: float
     cores: float  # CPU seconds a second
+    waits: float  # voluntary context switches a request, every thread (the GIL's hand-offs)
 
 
 async def classify_fresh(
@@ -279,9 +282,11 @@ async def classify_fresh(
                 continue
             assert found.tiers == ["model"], found.tiers  # fresh: no tier holds it
 
+    waits_before = sum(thread_waits(os.getpid()).values())
     cpu_before, wall_before = time.process_time(), time.perf_counter()
     await asyncio.gather(*(client() for _ in range(MODEL_SIDE_CLIENTS)))
     cpu, wall = time.process_time() - cpu_before, time.perf_counter() - wall_before
+    waits = sum(thread_waits(os.getpid()).values()) - waits_before
     answered = asked - refused
     return ModelSideRun(
         requests=answered,
@@ -289,6 +294,7 @@ async def classify_fresh(
         cpu_us=round(1e6 * cpu / answered, 1),
         requests_per_s=round(answered / wall, 1),
         cores=round(cpu / wall, 2),
+        waits=round(waits / answered, 3),
     )
 
 
@@ -363,23 +369,26 @@ def report(result: dict[str, Any]) -> str:
         f"{MODEL_SIDE_CLIENTS} coroutines on its event loop calling the model's runner as "
         f"`/predict` does (no HTTP), one fresh text each, {result['model_side_requests']:,} "
         "texts a run on one service, after a warm-up run: caches, tokenizing, admission, the "
-        "batcher, the batch worker, the simulated device. This process's CPU, every thread.",
+        "batcher, the batch worker, the simulated device. This process's CPU, every thread; "
+        "waits: its threads' voluntary context switches (each a thread giving up its core to "
+        "wait: for the GIL, a lock, a sleep).",
         "",
-        "| disk tier | run | µs CPU a request | requests/s | cores | refused by admission |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| disk tier | run | µs CPU a request | requests/s | cores | waits a request "
+        "| refused by admission |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for tier, runs in result["model_side"].items():
         for number, run in enumerate(runs, start=1):
             lines.append(
                 f"| {tier} | {number} | {run['cpu_us']} | {run['requests_per_s']:,.0f} "
-                f"| {run['cores']} | {run['refused']} |"
+                f"| {run['cores']} | {run['waits']} | {run['refused']} |"
             )
     lines.append("")
     for tier, runs in result["model_side"].items():
         lines.append(
             f"- Disk tier {tier}, medians: {statistics.median(r['cpu_us'] for r in runs)} µs "
             f"of CPU a request, {statistics.median(r['requests_per_s'] for r in runs):,.0f} "
-            "requests/s."
+            f"requests/s, {statistics.median(r['waits'] for r in runs)} waits a request."
         )
     lines += [
         "",

@@ -44,6 +44,33 @@ def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     return threads
 
 
+def thread_waits(pid: int) -> dict[int, int]:
+    """Per native thread: how often it has given up its core to wait (the kernel's
+    voluntary context switches: a lock, the GIL, a sleep, a socket with nothing to read)."""
+    waits: dict[int, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                waits[int(task.name)] = int(line.split(":", 1)[1])
+    return waits
+
+
+def waits_per_request(
+    before: dict[int, int], after: dict[int, int], names: dict[int, str], requests: int
+) -> dict[str, float]:
+    """Voluntary context switches a request by thread (Python name where known), summed over
+    threads of one name; threads that made none are left out."""
+    made: Counter[str] = Counter()
+    for tid, count in after.items():
+        if count > before.get(tid, 0):
+            made[names.get(tid) or f"{tid} (native)"] += count - before.get(tid, 0)
+    return {name: round(count / max(requests, 1), 3) for name, count in made.most_common()}
+
+
 def per_thread_us(
     before: dict[int, tuple[str, float]],
     after: dict[int, tuple[str, float]],

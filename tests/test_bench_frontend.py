@@ -1,8 +1,13 @@
 """bench.frontend's profile folding (each py-spy stack goes to the stage of the code that
 called the library at its leaf, and samples are counted by stage and by thread) and its
-summary of the rounds (each route's rate against the same round's /health)."""
+summary of the rounds (each route's rate against the same round's /health), and the waits
+(voluntary context switches) it reads from /proc."""
 
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import pytest
 
@@ -17,6 +22,7 @@ from bench.frontend import (
     stage_of,
     summary,
 )
+from bench.threads import thread_waits, waits_per_request
 
 SITE = "/venv/lib/python3.11/site-packages"
 LOOP = [
@@ -89,6 +95,8 @@ def load_point(route: str, rate: float, cpu_us: float) -> LoadPoint:
         server_cores=1.0,
         client_cpu_us_per_request=20.0,
         thread_cpu_us_per_request={"MainThread": cpu_us},
+        waits_per_request=0.0,
+        thread_waits_per_request={},
     )
 
 
@@ -107,3 +115,13 @@ def test_each_round_compares_fresh_and_cached_predict_with_its_own_health() -> N
     assert found["median_round"]["predict"]["requests_per_s"] == 350
     assert found["median_round"]["cached"]["requests_per_s"] == 900.0
     assert (found["predict_cpu_us_median"], found["cached_cpu_us_median"]) == (310, 120.0)
+
+
+def test_waits_are_counted_per_request_by_thread_from_proc() -> None:
+    own = thread_waits(os.getpid())
+    assert threading.get_native_id() in own  # this very thread, read from /proc
+    time.sleep(0.01)  # a sleep gives up the core: one voluntary switch at least
+    assert thread_waits(os.getpid())[threading.get_native_id()] > own[threading.get_native_id()]
+    before, after = {11: 5, 12: 3}, {11: 9, 12: 3, 13: 2}
+    found = waits_per_request(before, after, {11: "MainThread"}, requests=2)
+    assert found == {"MainThread": 2.0, "13 (native)": 1.0}  # thread 12 made none
