@@ -22,11 +22,12 @@ CPU time); the other process's own CPU a request is read from /proc. Fewer clien
 smaller turns (at one client, a round trip a request), so the hop's cost is given per client
 count.
 
-**The model side alone.** The service's own app (`create_app`, its lifespan, its settings'
-defaults) with the simulated model of `make bench-frontend`, and 64 coroutines on its event
-loop calling the model's `ModelRunner.classify` as `/predict` does, one fresh text each time,
-with no HTTP: the LRU and disk tiers, tokenizing, admission, the batcher, the batch worker and
-the simulated device, all the work a model process would keep (the LRU tier would stay in the
+**The model side alone.** The service's own app and lifespan, started in this process as
+`loraserve score` starts them (api.batch.local.started_service), with its settings' defaults
+and the simulated model of `make bench-frontend`, and 64 coroutines on its event loop calling
+the model's `ModelRunner.classify` as `/predict` does, one fresh text each time, with no HTTP:
+the LRU and disk tiers, tokenizing, admission, the batcher, the batch worker and the
+simulated device, all the work a model process would keep (the LRU tier would stay in the
 front end, a few µs). This process's CPU a request (every thread) and the rate, with the disk
 tier on (the default) and off, each on a service of its own.
 
@@ -54,8 +55,7 @@ from typing import Any
 
 import uvloop
 
-from api.http.app import create_app
-from api.http.state import Phase, ServiceState
+from api.batch.local import started_service
 from api.serving.admission import NotAdmitted
 from api.serving.cache import ResultCache
 from api.serving.classify import ModelRunner
@@ -313,13 +313,7 @@ async def model_side(
             torch_num_threads=1,  # as bench-frontend's server
             **changes,
         )
-        app = create_app(settings)
-        state: ServiceState = app.state.service
-        async with app.router.lifespan_context(app):
-            while state.phase is Phase.LOADING:
-                await asyncio.sleep(0.05)
-            if state.phase is not Phase.READY:
-                raise RuntimeError(f"the service did not start: {state.error}")
+        async with started_service(settings) as state:
             (runner,) = state.runners.values()
             runs = []
             for attempt in range(repeats + 1):

@@ -28,6 +28,22 @@ class StartFailed(RuntimeError):
 
 
 @asynccontextmanager
+async def started_service(
+    settings: Settings, specs: list[ModelSpec] | None = None
+) -> AsyncIterator[ServiceState]:
+    """The service's state once its own lifespan has loaded and warmed every model (`specs`,
+    or the models file's), until the block ends; StartFailed if they did not load."""
+    app = create_app(settings, specs)
+    state: ServiceState = app.state.service
+    async with app.router.lifespan_context(app):
+        while state.phase is Phase.LOADING:
+            await asyncio.sleep(0.05)
+        if state.phase is not Phase.READY:
+            raise StartFailed(state.error or f"service is {state.phase.value}")
+        yield state
+
+
+@asynccontextmanager
 async def local_service(
     settings: Settings, specs: list[ModelSpec], use_cache: bool = True
 ) -> AsyncIterator[LocalSource]:
@@ -36,13 +52,8 @@ async def local_service(
     Admission by time is off: it keeps a live client's wait under the latency target by
     refusing what would queue too long, and here the only client is the file, whose next
     chunk queueing behind the running one is what keeps the device busy."""
-    app = create_app(settings.model_copy(update={"admission_control": False}), specs)
-    state: ServiceState = app.state.service
-    async with app.router.lifespan_context(app):
-        while state.phase is Phase.LOADING:
-            await asyncio.sleep(0.05)
-        if state.phase is not Phase.READY:
-            raise StartFailed(state.error or f"service is {state.phase.value}")
+    no_admission = settings.model_copy(update={"admission_control": False})
+    async with started_service(no_admission, specs) as state:
         yield LocalSource(state, use_cache)
 
 
