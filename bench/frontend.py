@@ -16,8 +16,8 @@ bench/reports/frontend.{md,json}. In one run:
 - in the same rounds, `/predict` of one text the in-process cache holds (one body,
   bench/wrk/predict.lua): the route, the lifecycle and the cache without the model path,
   which is what a front-end process apart from the model would keep of a fresh `/predict`;
-- CPU time per request of each of the server's threads (/proc/<pid>/task/*/stat, named
-  through `py-spy dump`), in the same runs;
+- CPU time and waits (voluntary context switches) per request of each of the server's
+  threads (/proc/<pid>/task/*/stat and status, named through `py-spy dump`), in the same runs;
 - a profile of one more /predict run by `py-spy record` (raw folded stacks, threads on a
   CPU): each sample goes to the stage of its innermost frame that names one (see RULES), and
   each thread's CPU time in that run (/proc) is shared out by its samples. Profiled, the

@@ -1,5 +1,6 @@
-"""CPU time of a process's threads, by their Python names: what each thread of a server
-spent per request over a load run (/proc for the time, `py-spy dump` for the names)."""
+"""CPU time and waits of a process's threads, by their Python names: what each thread of a
+server spent, and how often it waited, per request over a load run (/proc for the counts,
+`py-spy dump` for the names)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.throughput import CLOCK_TICKS
@@ -30,17 +32,22 @@ def thread_names(pid: int) -> dict[int, str]:
     }
 
 
+def task_files(pid: int, name: str) -> Iterator[tuple[int, str]]:
+    """Per native thread of `pid`: its id and the text of its /proc file `name`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            yield int(task.name), (task / name).read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     """Per native thread: its command name and user + system CPU seconds."""
     threads: dict[int, tuple[str, float]] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            text = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
+    for tid, text in task_files(pid, "stat"):
         name = text[text.index("(") + 1 : text.rindex(")")]
         after = text.rsplit(")", 1)[1].split()
-        threads[int(task.name)] = (name, (int(after[11]) + int(after[12])) / CLOCK_TICKS)
+        threads[tid] = (name, (int(after[11]) + int(after[12])) / CLOCK_TICKS)
     return threads
 
 
@@ -48,14 +55,10 @@ def thread_waits(pid: int) -> dict[int, int]:
     """Per native thread: how often it has given up its core to wait (the kernel's
     voluntary context switches: a lock, the GIL, a sleep, a socket with nothing to read)."""
     waits: dict[int, int] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            text = (task / "status").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
+    for tid, text in task_files(pid, "status"):
         for line in text.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
-                waits[int(task.name)] = int(line.split(":", 1)[1])
+                waits[tid] = int(line.split(":", 1)[1])
     return waits
 
 
