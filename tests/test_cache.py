@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import shutil
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +23,8 @@ from api.serving.cache import disk
 from api.serving.cache.disk import DiskTier
 from api.serving.cache.entry import Entry
 from api.serving.cache.lru import LruTier
-from api.serving.cache.verify import AnswerShape
+from api.serving.cache.text_disk import TextOnlyDisk
+from api.serving.cache.verify import AnswerShape, Rejected
 from tests.conftest import serving as serve
 from tests.conftest import spec_for
 from tests.tiny_models import TinyModel
@@ -168,6 +171,91 @@ async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
         await tier.close()
     assert found == [stored, None]
     assert took < 1.5, f"a read waited {took:.2f} s for the writer's lock"
+
+
+async def test_disk_reads_agree_with_diskcaches_own_get(tmp_path: Path) -> None:
+    # The tier reads diskcache's table with a query of its own (a turn's keys at once); what
+    # it finds must be what diskcache's `get`, through the tier's own text-only serializer,
+    # finds for each key: a stored entry, nothing for a key never stored or expired, and a
+    # refusal for a row holding a pickle.
+    folder = tmp_path / "disk"
+    stored = ((0.25, 0.75), (0.0, math.log(3)))
+    other = ((0.5, 0.5), (1.0, 1.0))
+    tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
+    tier.put("kept", stored)
+    tier.put("also kept", other)
+    short = DiskTier(folder, 2**24, 0.05, Metrics(latency_target_seconds=2.0))
+    short.put("expired", stored)
+    await short.close()
+    with diskcache.Cache(str(folder)) as plain:  # diskcache's own Disk pickles a dict
+        plain.set("pickled", {"scores": [0.5, 0.5]})
+    time.sleep(0.1)  # "expired" is past its 50 ms
+    keys = ["kept", "never stored", "expired", "pickled", "also kept"]
+    metrics = Metrics(latency_target_seconds=2.0)
+    reading = DiskTier(folder, 2**24, None, metrics)
+    try:
+        found = await reading.get_many(keys, AnswerShape(labels=2))
+    finally:
+        await reading.close()
+        await tier.close()
+    with diskcache.Cache(str(folder), disk=TextOnlyDisk) as reference:
+        expected: list[Entry | None] = []
+        for key in keys:
+            try:
+                raw = reference.get(key)
+            except Rejected:
+                raw = None  # a refusal is a miss to the caller, counted as rejected
+            expected.append(None if raw is None else tuple(map(tuple, json.loads(raw))))
+    assert found == expected == [stored, None, None, None, other]
+    rejected = metrics.cache_rejected.labels("disk", "format")._value.get()
+    assert rejected == 1
+
+
+def statements(connection: sqlite3.Connection) -> list[str]:
+    """The SQL statements `connection` runs from now on."""
+    ran: list[str] = []
+    connection.set_trace_callback(ran.append)
+    return ran
+
+
+async def test_the_disk_reads_of_one_turn_are_one_query(tmp_path: Path) -> None:
+    # Each statement lets the GIL go, and the event loop then waits to take it back: the
+    # requests that look up in one turn of the loop share one query.
+    tier = DiskTier(tmp_path / "disk", 2**24, None, Metrics(latency_target_seconds=2.0))
+    entry = ((0.25, 0.75), (0.0, math.log(3)))
+    tier.put_many([f"text-{index}" for index in range(0, 20, 2)], [entry] * 10)
+    await tier.close()
+    tier = DiskTier(tmp_path / "disk", 2**24, None, Metrics(latency_target_seconds=2.0))
+    ran = statements(tier._reader())
+    try:
+        found = await asyncio.gather(
+            *(tier.get_many([f"text-{index}"], AnswerShape(labels=2)) for index in range(20))
+        )
+        later = await tier.get_many(["text-0", "text-1"], AnswerShape(labels=2))
+    finally:
+        await tier.close()
+    assert found == [[entry] if index % 2 == 0 else [None] for index in range(20)]
+    assert later == [entry, None]
+    assert len(ran) == 2, ran  # the gathered turn's, then the later one's
+
+
+async def test_a_disk_read_that_fails_is_a_miss_for_each_key_counted(tmp_path: Path) -> None:
+    folder = tmp_path / "disk"
+    metrics = Metrics(latency_target_seconds=2.0)
+    tier = DiskTier(folder, 2**24, None, metrics)
+    tier.put("stored", ((0.25, 0.75), (0.0, math.log(3))))
+    with sqlite3.connect(folder / "cache.db") as broken:  # the table the reads query, gone
+        broken.execute("ALTER TABLE Cache RENAME TO Elsewhere")
+    try:
+        found = await asyncio.gather(
+            tier.get_many(["stored", "other"], AnswerShape(labels=2)),
+            tier.get_many(["third"], AnswerShape(labels=2)),
+        )
+    finally:
+        await tier.close()
+    assert found == [[None, None], [None]]
+    assert metrics.cache_errors.labels("disk", "read")._value.get() == 3
+    assert metrics.cache_lookups.labels("disk", "error")._value.get() == 3
 
 
 def commit_sizes(tier: DiskTier) -> list[int]:

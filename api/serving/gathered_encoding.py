@@ -1,11 +1,8 @@
 """Tokenizing for the event loop: the texts of every request that asks in one turn of the loop
-go to the tokenizer together, in one call.
+go to the tokenizer together, in one call (api.serving.per_turn).
 
-Tokenized one request at a time, each call released the GIL and took it back. With another
-thread holding it by then (the disk cache's writer, the batch worker), the loop waited for
-it: a one-text request's tokenizing cost the loop ~60 µs of CPU where the tokenizer itself
-takes ~25. Gathered, a turn's requests (under load, the batch of clients just answered) make
-one such round trip between them.
+Tokenized one request at a time, each call released the GIL and took it back: a one-text
+request's tokenizing cost the loop ~60 µs of CPU where the tokenizer itself takes ~25.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from api.models.predictor import UnservableText
+from api.serving.per_turn import PerTurn
 
 # A turn's texts with this many characters at most in all are tokenized on the loop: a thread
 # hand-off costs more than a batch of SMS takes to tokenize. Longer ones go to a worker
@@ -39,22 +37,15 @@ class GatheredEncoder:
 
     def __init__(self, encode_many: EncodeMany) -> None:
         self._encode_many = encode_many
-        self._jobs: list[_Job] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._turn = PerTurn(self._flush)
 
     async def encode(self, texts: list[str], truncate: bool) -> list[list[int]]:
         """The texts' ids, or the UnservableText that refuses one of them."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # jobs left by a loop that stopped before its flush
-            self._jobs, self._loop = [], loop
-        job = _Job(texts, truncate, loop.create_future())
-        if not self._jobs:  # the first of this turn: the rest of the turn joins it
-            loop.call_soon(self._flush)
-        self._jobs.append(job)
+        job = _Job(texts, truncate, asyncio.get_running_loop().create_future())
+        self._turn.add(job)
         return await job.ids
 
-    def _flush(self) -> None:
-        jobs, self._jobs = self._jobs, []
+    def _flush(self, jobs: list[_Job]) -> None:
         for truncate in (True, False):
             group = [job for job in jobs if job.truncate is truncate and not job.ids.done()]
             if not group:

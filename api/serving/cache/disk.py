@@ -1,24 +1,29 @@
-"""The disk tier: diskcache, kept across restarts; reads inline, writes in a thread."""
+"""The disk tier: diskcache, kept across restarts; reads on the event loop, one query a turn
+of it; writes in a thread, one transaction for what gathers meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import diskcache
+from diskcache.core import DBNAME
 
 from api.metrics import Metrics
 from api.serving.cache.entry import Entry
-from api.serving.cache.text_disk import TextOnlyDisk
+from api.serving.cache.text_disk import TextOnlyDisk, text_value
 from api.serving.cache.tier import screened
 from api.serving.cache.verify import AnswerShape, Rejected
+from api.serving.per_turn import PerTurn
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +34,25 @@ logger = logging.getLogger(__name__)
 # read start from a cold sqlite page cache. The LRU tier in front answers repeats meanwhile:
 # only another process sees an entry this much later.
 WRITE_GATHER_SECONDS = 0.02
+
+# The keys of a turn's requests, looked up in diskcache's own table (key, raw, expire_time,
+# mode, value: its schema in diskcache 5, to which pyproject.toml holds it) in one statement, as
+# diskcache's `get` finds one: a text key is stored with raw = 1, an expired row is a miss.
+# diskcache reads one key a statement, and each statement lets the GIL go: one a fresh
+# request cost the loop a wait for the GIL that the batch worker or the writer took meanwhile.
+READ_QUERY = (
+    "SELECT key, mode, value FROM Cache WHERE key IN (SELECT value FROM json_each(?))"
+    " AND raw = 1 AND (expire_time IS NULL OR expire_time > ?)"
+)
+
+# Per key read, its entry, the refusal of what was there, or None (a miss).
+Found = list[Entry | Rejected | None]
+
+
+@dataclass(eq=False)
+class _Read:
+    keys: list[str]
+    found: asyncio.Future[tuple[Found, int]]  # and how many of the keys failed to be read
 
 
 class DiskTier:
@@ -67,6 +91,12 @@ class DiskTier:
         self._backlog: list[tuple[str, Entry]] = []
         self._backlog_lock = threading.Lock()
         self._draining = False
+        self._database = Path(self._cache.directory, DBNAME)
+        self._reads = PerTurn(self._read_turn)
+        # sqlite connections belong to the thread that opened them: one per thread that reads
+        # (the event loop's, in the server), read-only, all closed with the tier.
+        self._readers = threading.local()
+        self._reader_connections: list[sqlite3.Connection] = []
 
     @classmethod
     def open(
@@ -80,33 +110,47 @@ class DiskTier:
             metrics.cache_errors.labels("disk", "open").inc()
             return None
 
-    def get(self, key: str) -> Entry:
-        """The entry, or KeyError; a value this service did not write raises Rejected."""
-        raw = self._cache.get(key, default=None, retry=False)
-        if raw is None:
-            raise KeyError(key)
-        return _decode(raw)
-
     def put(self, key: str, entry: Entry) -> None:
         self._cache.set(key, json.dumps([entry[0], entry[1]]), expire=self.ttl_seconds)
 
     async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
-        # Inline: a local read costs less than handing it to a thread.
-        found: list[Entry | Rejected | None] = []
-        errors = 0
-        for key in keys:
-            try:
-                found.append(self.get(key))
-            except KeyError:
-                found.append(None)
-            except Rejected as rejected:
-                found.append(rejected)
-            except Exception as exc:  # I/O error, locked or broken database
-                logger.warning("disk cache read failed: %s", type(exc).__name__)
-                self.metrics.cache_errors.labels(self.name, "read").inc()
-                found.append(None)
-                errors += 1
+        """The entries, read with those of every other request of this turn of the event
+        loop in one query (`_read_turn`): a local read costs less than handing it to a thread."""
+        read = _Read(list(keys), asyncio.get_running_loop().create_future())
+        self._reads.add(read)
+        found, errors = await read.found
         return screened(self.metrics, self.name, found, shape, errors)
+
+    def _read_turn(self, reads: list[_Read]) -> None:
+        keys = [key for read in reads for key in read.keys]
+        try:
+            rows = self._rows(keys)
+        except Exception as exc:  # I/O error, locked or broken database: every key a miss
+            logger.warning("disk cache read failed: %s", type(exc).__name__)
+            self.metrics.cache_errors.labels(self.name, "read").inc(len(keys))
+            for read in reads:
+                if not read.found.done():
+                    read.found.set_result(([None] * len(read.keys), len(read.keys)))
+            return
+        for read in reads:
+            if not read.found.done():  # done: its request was cancelled meanwhile
+                read.found.set_result(([_entry(rows.get(key)) for key in read.keys], 0))
+
+    def _rows(self, keys: list[str]) -> dict[str, tuple[int, Any]]:
+        """Per key found and not expired, its row's mode and value."""
+        cursor = self._reader().execute(READ_QUERY, (json.dumps(keys), time.time()))
+        return {key: (mode, value) for key, mode, value in cursor}
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's read-only connection to the tier's database. It never waits for a
+        lock: under WAL a read never needs one, and a database too broken to read is a miss."""
+        reader: sqlite3.Connection | None = getattr(self._readers, "connection", None)
+        if reader is None:
+            uri = f"{self._database.resolve().as_uri()}?mode=ro"
+            reader = sqlite3.connect(uri, uri=True, timeout=0, check_same_thread=False)
+            self._readers.connection = reader
+            self._reader_connections.append(reader)
+        return reader
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
         with self._backlog_lock:
@@ -154,7 +198,19 @@ class DiskTier:
 
     async def close(self) -> None:
         await asyncio.to_thread(self._writer.shutdown, wait=True)
+        for reader in self._reader_connections:
+            reader.close()
         self._cache.close()
+
+
+def _entry(row: tuple[int, Any] | None) -> Entry | Rejected | None:
+    """The entry a row holds, its refusal, or None for no row."""
+    if row is None:
+        return None
+    try:
+        return _decode(text_value(*row))
+    except Rejected as rejected:
+        return rejected
 
 
 def _decode(raw: Any) -> Entry:

@@ -42,6 +42,12 @@ class TextOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache has no ty
         """Deletes nothing (see the module's docstring)."""
 
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> str:
-        if mode != MODE_RAW or type(value) is not str:
-            raise Rejected("format", f"a cache row of mode {mode} that this service never writes")
-        return value
+        return text_value(mode, value)
+
+
+def text_value(mode: int, value: Any) -> str:
+    """A row's value, if it is text kept in the row (as this service writes every value);
+    Rejected for a pickle, a value in a file, or anything else."""
+    if mode != MODE_RAW or type(value) is not str:
+        raise Rejected("format", f"a cache row of mode {mode} that this service never writes")
+    return value
