@@ -147,7 +147,7 @@ async def test_disk_reads_never_wait_for_a_write(tmp_path: Path) -> None:
     # waited for that lock: held here for 3 s, a read took 3 s.
     tier = DiskTier(tmp_path / "disk", 2**24, None, Metrics(latency_target_seconds=2.0))
     stored = ((0.25, 0.75), (0.0, math.log(3)))  # softmax(0, ln 3) = (1/4, 3/4)
-    tier.put("stored", stored)
+    tier._write([("stored", stored)])
     holding, release = threading.Event(), threading.Event()
 
     def writer() -> None:
@@ -182,10 +182,9 @@ async def test_disk_reads_agree_with_diskcaches_own_get(tmp_path: Path) -> None:
     stored = ((0.25, 0.75), (0.0, math.log(3)))
     other = ((0.5, 0.5), (1.0, 1.0))
     tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
-    tier.put("kept", stored)
-    tier.put("also kept", other)
+    tier._write([("kept", stored), ("also kept", other)])
     short = DiskTier(folder, 2**24, 0.05, Metrics(latency_target_seconds=2.0))
-    short.put("expired", stored)
+    short._write([("expired", stored)])
     await short.close()
     with diskcache.Cache(str(folder)) as plain:  # diskcache's own Disk pickles a dict
         plain.set("pickled", {"scores": [0.5, 0.5]})
@@ -209,6 +208,41 @@ async def test_disk_reads_agree_with_diskcaches_own_get(tmp_path: Path) -> None:
     assert found == expected == [stored, None, None, None, other]
     rejected = metrics.cache_rejected.labels("disk", "format")._value.get()
     assert rejected == 1
+
+
+async def test_disk_writes_are_what_diskcaches_own_get_reads(tmp_path: Path) -> None:
+    # The tier writes a transaction's entries into diskcache's table in one statement of its
+    # own; diskcache itself, through the tier's text-only serializer, must read back each
+    # entry as written: new keys, a key overwritten, a row that held a pickle overwritten
+    # with text, and an entry with a time to live, which expires for diskcache too. Its
+    # count of entries (kept by its triggers) must agree.
+    folder = tmp_path / "disk"
+    first = ((0.25, 0.75), (0.0, math.log(3)))
+    second = ((0.5, 0.5), (1.0, 1.0))
+    with diskcache.Cache(str(folder)) as plain:
+        plain.set("held a pickle", {"scores": [0.5, 0.5]})
+    tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
+    tier._write([("a", first), ("b", first), ("held a pickle", first)])
+    tier._write([("b", second), ("held a pickle", second), ("c", second)])
+    await tier.close()
+    short = DiskTier(folder, 2**24, 0.05, Metrics(latency_target_seconds=2.0))
+    short._write([("expires", first)])
+    await short.close()
+    with diskcache.Cache(str(folder), disk=TextOnlyDisk) as reference:
+        read = {key: reference.get(key) for key in ("a", "b", "held a pickle", "c", "expires")}
+        counted = len(reference)
+        time.sleep(0.1)  # "expires" is past its 50 ms
+        expired = reference.get("expires")
+        removed = reference.expire()
+        left = len(reference)
+    assert {key: json.loads(value) for key, value in read.items()} == {
+        "a": json.loads(json.dumps(first)),
+        "b": json.loads(json.dumps(second)),
+        "held a pickle": json.loads(json.dumps(second)),
+        "c": json.loads(json.dumps(second)),
+        "expires": json.loads(json.dumps(first)),
+    }
+    assert (counted, expired, removed, left) == (5, None, 1, 4)
 
 
 def statements(connection: sqlite3.Connection) -> list[str]:
@@ -243,7 +277,7 @@ async def test_a_disk_read_that_fails_is_a_miss_for_each_key_counted(tmp_path: P
     folder = tmp_path / "disk"
     metrics = Metrics(latency_target_seconds=2.0)
     tier = DiskTier(folder, 2**24, None, metrics)
-    tier.put("stored", ((0.25, 0.75), (0.0, math.log(3))))
+    tier._write([("stored", ((0.25, 0.75), (0.0, math.log(3))))])
     with sqlite3.connect(folder / "cache.db") as broken:  # the table the reads query, gone
         broken.execute("ALTER TABLE Cache RENAME TO Elsewhere")
     try:

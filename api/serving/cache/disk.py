@@ -1,5 +1,5 @@
-"""The disk tier: diskcache, kept across restarts; reads on the event loop, one query a turn
-of it; writes in a thread, one transaction for what gathers meanwhile."""
+"""The disk tier: diskcache, kept across restarts. Reads on the event loop, one query a turn of
+it; writes in a thread, one statement for what gathers meanwhile; diskcache evicts."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import diskcache
-from diskcache.core import DBNAME
+from diskcache.core import DBNAME, MODE_RAW
 
 from api.metrics import Metrics
 from api.serving.cache.entry import Entry
@@ -35,14 +35,33 @@ logger = logging.getLogger(__name__)
 # only another process sees an entry this much later.
 WRITE_GATHER_SECONDS = 0.02
 
-# The keys of a turn's requests, looked up in diskcache's own table (key, raw, expire_time,
-# mode, value: its schema in diskcache 5, to which pyproject.toml holds it) in one statement, as
-# diskcache's `get` finds one: a text key is stored with raw = 1, an expired row is a miss.
-# diskcache reads one key a statement, and each statement lets the GIL go: one a fresh
-# request cost the loop a wait for the GIL that the batch worker or the writer took meanwhile.
+# diskcache reads one key a statement and writes two statements an entry, and each statement
+# lets the GIL go: on the event loop, one a fresh request cost the loop a wait to take the GIL
+# back from the batch worker or the writer; in the writer, each let the loop wait for it. So
+# the tier queries diskcache's own table (its schema in diskcache 5, to which pyproject.toml
+# holds it) one statement a turn's reads and one a transaction's writes, and leaves the
+# schema, its triggers' count of entries, expiry and eviction (`cull`) to diskcache.
+
+# The keys of a turn's requests, as diskcache's `get` finds one: a text key is stored with
+# raw = 1, and an expired row is a miss.
 READ_QUERY = (
     "SELECT key, mode, value FROM Cache WHERE key IN (SELECT value FROM json_each(?))"
     " AND raw = 1 AND (expire_time IS NULL OR expire_time > ?)"
+)
+
+# A transaction's entries ([key, value] pairs), each written as diskcache's `set` writes it
+# through TextOnlyDisk (its `_row_insert`, or `_row_update` for a key it holds): a text key
+# (raw = 1), the value text kept in the row (MODE_RAW: size 0, no file, no tag), stored and
+# accessed now. A row the key held, whatever it was (a pickle, a file's name, which is never
+# deleted), is overwritten in place.
+WRITE_QUERY = (
+    "INSERT INTO Cache(key, raw, store_time, expire_time, access_time, access_count, tag, size,"
+    " mode, filename, value)"
+    " SELECT json_extract(value, '$[0]'), 1, :now, :expire, :now, 0, NULL, 0, :mode, NULL,"
+    " json_extract(value, '$[1]') FROM json_each(:entries) WHERE true"
+    " ON CONFLICT(key, raw) DO UPDATE SET store_time = excluded.store_time,"
+    " expire_time = excluded.expire_time, access_time = excluded.access_time, access_count = 0,"
+    " tag = NULL, size = 0, mode = excluded.mode, filename = NULL, value = excluded.value"
 )
 
 # Per key read, its entry, the refusal of what was there, or None (a miss).
@@ -96,7 +115,8 @@ class DiskTier:
         # sqlite connections belong to the thread that opened them: one per thread that reads
         # (the event loop's, in the server), read-only, all closed with the tier.
         self._readers = threading.local()
-        self._reader_connections: list[sqlite3.Connection] = []
+        self._connections: list[sqlite3.Connection] = []
+        self._write_connection: sqlite3.Connection | None = None
 
     @classmethod
     def open(
@@ -109,9 +129,6 @@ class DiskTier:
             logger.warning("disk cache off: cannot open %s: %s", folder, exc)
             metrics.cache_errors.labels("disk", "open").inc()
             return None
-
-    def put(self, key: str, entry: Entry) -> None:
-        self._cache.set(key, json.dumps([entry[0], entry[1]]), expire=self.ttl_seconds)
 
     async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
         """The entries, read with those of every other request of this turn of the event
@@ -146,11 +163,28 @@ class DiskTier:
         lock: under WAL a read never needs one, and a database too broken to read is a miss."""
         reader: sqlite3.Connection | None = getattr(self._readers, "connection", None)
         if reader is None:
-            uri = f"{self._database.resolve().as_uri()}?mode=ro"
-            reader = sqlite3.connect(uri, uri=True, timeout=0, check_same_thread=False)
+            reader = self._connect("ro", timeout=0)
             self._readers.connection = reader
-            self._reader_connections.append(reader)
         return reader
+
+    def _writer_connection(self) -> sqlite3.Connection:
+        """The writer's connection, which waits for the write lock as diskcache's own do."""
+        if self._write_connection is None:
+            self._write_connection = self._connect("rw", timeout=self._cache.timeout)
+            # As diskcache sets its own: under WAL, synced at checkpoints, not every commit.
+            synchronous = int(self._cache.sqlite_synchronous)
+            self._write_connection.execute(f"PRAGMA synchronous = {synchronous}")
+        return self._write_connection
+
+    def _connect(self, mode: str, timeout: float) -> sqlite3.Connection:
+        """A connection to the tier's database, closed with the tier (from whichever thread
+        closes it: each is used by one thread at a time)."""
+        uri = f"{self._database.resolve().as_uri()}?mode={mode}"
+        connection = sqlite3.connect(
+            uri, uri=True, timeout=timeout, isolation_level=None, check_same_thread=False
+        )
+        self._connections.append(connection)
+        return connection
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
         with self._backlog_lock:
@@ -173,10 +207,19 @@ class DiskTier:
     def _write(self, pending: list[tuple[str, Entry]]) -> None:
         """Everything stored since the last commit, in one transaction; then what expired,
         and the least recently stored entries past the size limit, are removed."""
+        now = time.time()
+        values = [[key, json.dumps([entry[0], entry[1]])] for key, entry in pending]
+        parameters = {
+            "now": now,
+            "expire": None if self.ttl_seconds is None else now + self.ttl_seconds,
+            "mode": MODE_RAW,
+            "entries": json.dumps(values),
+        }
         try:
-            with self._cache.transact():
-                for key, entry in pending:
-                    self.put(key, entry)
+            writer = self._writer_connection()
+            with writer:  # commits, or rolls back on an exception
+                writer.execute("BEGIN IMMEDIATE")
+                writer.execute(WRITE_QUERY, parameters)
         except Exception as exc:  # disk full, read-only, I/O error: none of them written
             logger.warning("disk cache write failed: %s", type(exc).__name__)
             self.metrics.cache_errors.labels(self.name, "write").inc(len(pending))
@@ -198,8 +241,8 @@ class DiskTier:
 
     async def close(self) -> None:
         await asyncio.to_thread(self._writer.shutdown, wait=True)
-        for reader in self._reader_connections:
-            reader.close()
+        for connection in self._connections:
+            connection.close()
         self._cache.close()
 
 
