@@ -75,9 +75,12 @@ class _Read:
 
 
 class DiskTier:
-    """diskcache bounded in bytes. Values are JSON text, never pickles: the folder may be
-    shared, and a pickle from it could run code (TextOnlyDisk neither writes nor reads one).
-    A value that is not an answer is a miss, counted as rejected; any fault is a miss, counted.
+    """diskcache bounded in bytes. Values are JSON text kept in the row, never pickles: the
+    folder may be shared, and a pickle from it could run code. The tier reads and writes rows
+    itself (READ_QUERY, WRITE_QUERY) and refuses any row it could not have written
+    (text_value); TextOnlyDisk, diskcache's serializer here, never deletes the file a row names
+    when diskcache evicts the row. A value that is not an answer is a miss, counted as
+    rejected; any fault is a miss, counted.
     """
 
     name = "disk"
@@ -98,9 +101,7 @@ class DiskTier:
             disk=TextOnlyDisk,
             size_limit=max_bytes,
             eviction_policy="least-recently-stored",
-            # No culling inside each `set` (a query for expired rows and one for the size,
-            # per entry, held the GIL for most of the writer's ~80 µs an entry): the writer
-            # culls once per transaction instead (`_write`), to the same size limit.
+            # diskcache culls only in `cull`, which `_write` calls once a transaction.
             cull_limit=0,
         )
         # Writes go to their own thread: an fsync must not stall the event loop. What
