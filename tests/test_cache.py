@@ -235,12 +235,9 @@ async def test_disk_writes_are_what_diskcaches_own_get_reads(tmp_path: Path) -> 
         expired = reference.get("expires")
         removed = reference.expire()
         left = len(reference)
+    written = {"a": first, "b": second, "held a pickle": second, "c": second, "expires": first}
     assert {key: json.loads(value) for key, value in read.items()} == {
-        "a": json.loads(json.dumps(first)),
-        "b": json.loads(json.dumps(second)),
-        "held a pickle": json.loads(json.dumps(second)),
-        "c": json.loads(json.dumps(second)),
-        "expires": json.loads(json.dumps(first)),
+        key: json.loads(json.dumps(entry)) for key, entry in written.items()
     }
     assert (counted, expired, removed, left) == (5, None, 1, 4)
 
