@@ -30,10 +30,10 @@ each: `/health`, then fresh one-text `/predict` (texts never sent before), 64 wr
 connections; the ratio of the two rates, `/predict`'s p99, and the CPU a request of the
 front end (or of the one process) and of the model side, from /proc.
 
-A prototype, not a mode of the service: only `classify` crosses the socket. `/models`, run-
-time adapters, the model side's metrics, request ids and traces do not; a client's
-disconnect does not cancel its call on the model side; if the model side dies, the front end
-does not notice until a request waits on it.
+A prototype, not a mode of the service: only `classify` crosses the socket. `/models`,
+run-time adapters, the model side's metrics, request ids and traces do not; a client's
+disconnect does not cancel its call on the model side; if the model side dies, the requests
+waiting on it are never answered.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from typing import Any
 
 import uvloop
 
+from api.serving.per_turn import PerTurn
 from bench.frontend import CLIENTS, HEALTH_LUA, TARGET_RATIO, fresh_env, write_models_file
 from bench.report_files import write_report
 from bench.throughput import (
@@ -123,7 +124,6 @@ async def serve_model_side(socket_path: str) -> None:
     from api.batch.local import started_service
     from api.http import lifecycle
     from api.http.errors import ServiceError
-    from api.serving.per_turn import PerTurn
     from api.settings import load_settings
 
     async with started_service(load_settings()) as state:
@@ -175,7 +175,9 @@ class Hop:
         self.numbers = itertools.count()
         self.waiting: dict[int, asyncio.Future[list[Any]]] = {}
         self.writer: asyncio.StreamWriter | None = None
+        self.reading: asyncio.Task[None] | None = None
         self.connecting = asyncio.Lock()
+        self.turn: PerTurn[list[Any]] = PerTurn(self._send)
 
     async def classify(
         self,
@@ -193,12 +195,13 @@ class Hop:
         from api.models.predictor import Scores
         from api.serving.classify import Classified
 
-        calls = await self._calls()
+        if self.writer is None:
+            await self._connect()
         number = next(self.numbers)
         reply = asyncio.get_running_loop().create_future()
         self.waiting[number] = reply
         # time.monotonic() is the system's CLOCK_MONOTONIC: the same clock in both processes.
-        calls.add([number, model, adapter, texts, truncate, cache is not None, deadline])
+        self.turn.add([number, model, adapter, texts, truncate, cache is not None, deadline])
         found = await reply
         if found[1] == "error":
             raise getattr(errors, found[2])(found[3], found[4])
@@ -206,22 +209,21 @@ class Hop:
         classified = Classified([Scores(tuple(p), tuple(raw)) for p, raw in scores], tiers)
         return Done(classified, answered_by, labels, adapter, cascade, cache_tiers)
 
-    async def _calls(self) -> Any:
+    async def _connect(self) -> None:
         async with self.connecting:  # the first requests all wait for the one connection
             if self.writer is None:
-                from api.serving.per_turn import PerTurn
-
                 reader, self.writer = await asyncio.open_unix_connection(self.socket_path)
-                writer = self.writer
-                self.turn: PerTurn[list[Any]] = PerTurn(lambda turn: writer.write(framed(turn)))
                 self.reading = asyncio.get_running_loop().create_task(self._settle(reader))
-        return self.turn
+
+    def _send(self, calls: list[list[Any]]) -> None:
+        assert self.writer is not None  # connected before any call is added
+        self.writer.write(framed(calls))
 
     async def _settle(self, reader: asyncio.StreamReader) -> None:
         while True:
             for reply in await read_message(reader):
                 future = self.waiting.pop(reply[0])
-                if not future.done():
+                if not future.done():  # its request was cancelled (its client went)
                     future.set_result(reply)
 
 
