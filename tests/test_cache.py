@@ -214,8 +214,8 @@ async def test_disk_writes_are_what_diskcaches_own_get_reads(tmp_path: Path) -> 
     # The tier writes a transaction's entries into diskcache's table in one statement of its
     # own; diskcache itself, through the tier's text-only serializer, must read back each
     # entry as written: new keys, a key overwritten, a row that held a pickle overwritten
-    # with text, and an entry with a time to live, which expires for diskcache too. Its
-    # count of entries (kept by its triggers) must agree.
+    # with text, a key stored twice in one transaction, and an entry with a time to live,
+    # which expires for diskcache too. Its count of entries (kept by its triggers) must agree.
     folder = tmp_path / "disk"
     first = ((0.25, 0.75), (0.0, math.log(3)))
     second = ((0.5, 0.5), (1.0, 1.0))
@@ -223,7 +223,8 @@ async def test_disk_writes_are_what_diskcaches_own_get_reads(tmp_path: Path) -> 
         plain.set("held a pickle", {"scores": [0.5, 0.5]})
     tier = DiskTier(folder, 2**24, None, Metrics(latency_target_seconds=2.0))
     tier._write([("a", first), ("b", first), ("held a pickle", first)])
-    tier._write([("b", second), ("held a pickle", second), ("c", second)])
+    # "c" stored twice before one commit: its latest entry is the one written.
+    tier._write([("b", second), ("held a pickle", second), ("c", first), ("c", second)])
     await tier.close()
     short = DiskTier(folder, 2**24, 0.05, Metrics(latency_target_seconds=2.0))
     short._write([("expires", first)])

@@ -49,16 +49,19 @@ READ_QUERY = (
     " AND raw = 1 AND (expire_time IS NULL OR expire_time > ?)"
 )
 
-# A transaction's entries ([key, value] pairs), each written as diskcache's `set` writes it
-# through TextOnlyDisk (its `_row_insert`, or `_row_update` for a key it holds): a text key
-# (raw = 1), the value text kept in the row (MODE_RAW: size 0, no file, no tag), stored and
-# accessed now. A row the key held, whatever it was (a pickle, a file's name, which is never
-# deleted), is overwritten in place.
+# A transaction's entries (a JSON object: each key's value text), each written as
+# diskcache's `set` writes it through TextOnlyDisk (its `_row_insert`, or `_row_update` for a
+# key it holds): a text key (raw = 1), the value text kept in the row (MODE_RAW: size 0, no
+# file, no tag), stored and accessed now. A row the key held, whatever it was (a pickle, a
+# file's name, which is never deleted), is overwritten in place. An object, not an array of
+# pairs: json_each gives each member's key and text as they are, where `json_extract` on a
+# pair parses it again for each column (`make bench-disk-tier`: 22 µs of CPU an entry against
+# 15, where diskcache's own `set` takes 26).
 WRITE_QUERY = (
     "INSERT INTO Cache(key, raw, store_time, expire_time, access_time, access_count, tag, size,"
     " mode, filename, value)"
-    " SELECT json_extract(value, '$[0]'), 1, :now, :expire, :now, 0, NULL, 0, :mode, NULL,"
-    " json_extract(value, '$[1]') FROM json_each(:entries) WHERE true"
+    " SELECT key, 1, :now, :expire, :now, 0, NULL, 0, :mode, NULL, value"
+    " FROM json_each(:entries) WHERE true"
     " ON CONFLICT(key, raw) DO UPDATE SET store_time = excluded.store_time,"
     " expire_time = excluded.expire_time, access_time = excluded.access_time, access_count = 0,"
     " tag = NULL, size = 0, mode = excluded.mode, filename = NULL, value = excluded.value"
@@ -209,7 +212,8 @@ class DiskTier:
         """Everything stored since the last commit, in one transaction; then what expired,
         and the least recently stored entries past the size limit, are removed."""
         now = time.time()
-        values = [[key, json.dumps([entry[0], entry[1]])] for key, entry in pending]
+        # A key stored twice since the last commit keeps its latest entry, as in diskcache.
+        values = {key: json.dumps([entry[0], entry[1]]) for key, entry in pending}
         parameters = {
             "now": now,
             "expire": None if self.ttl_seconds is None else now + self.ttl_seconds,
