@@ -142,6 +142,9 @@ async def serve_model_side(socket_path: str) -> None:
                 except ServiceError as exc:
                     replies.add([number, "error", type(exc).__name__, exc.message, exc.headers])
                     return
+                except Exception as exc:  # a 500 in one process: the front end's too
+                    replies.add([number, "unexpected", f"{type(exc).__name__}: {exc}"])
+                    return
                 result = done.result
                 scores = [[list(s.probabilities), list(s.logits)] for s in result.scores]
                 answered = [number, "ok", scores, result.tiers, done.answered_by, done.labels]
@@ -205,6 +208,8 @@ class Hop:
         found = await reply
         if found[1] == "error":
             raise getattr(errors, found[2])(found[3], found[4])
+        if found[1] == "unexpected":
+            raise RuntimeError(f"the model side failed: {found[2]}")
         scores, tiers, answered_by, labels, adapter, cascade, cache_tiers = found[2:]
         classified = Classified([Scores(tuple(p), tuple(raw)) for p, raw in scores], tiers)
         return Done(classified, answered_by, labels, adapter, cascade, cache_tiers)
