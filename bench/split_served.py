@@ -253,6 +253,7 @@ def split_server(
         base = {**os.environ, "LOG_LEVEL": "warning", "TORCH_NUM_THREADS": "1", **env}
         disk = str(WORK / "caches" / name)  # as bench.throughput.server: empty at each start
         shutil.rmtree(disk, ignore_errors=True)
+        WORK.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no bench/out yet
         logs = {side: (WORK / f"server-{name}-{side}.log").open("w") for side in ("model", "front")}
         command = [sys.executable, "-m", "bench.split_served"]
         model_side = subprocess.Popen(

@@ -323,6 +323,7 @@ def server(
         "PORT": str(port),
         "TORCH_NUM_THREADS": str(threads),
     }
+    WORK.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no bench/out yet
     log = WORK / f"server-{name}.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
