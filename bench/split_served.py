@@ -43,7 +43,6 @@ import asyncio
 import itertools
 import json
 import os
-import shutil
 import statistics
 import struct
 import subprocess
@@ -66,14 +65,13 @@ from bench.throughput import (
     FRESH_LUA,
     REPORTS,
     WORK,
-    free_port,
+    empty_disk_cache,
     host,
     process_cpu_seconds,
     sample_texts,
     server,
     stop,
     wait_for_quiet,
-    wait_ready,
     write_literals,
     wrk,
 )
@@ -246,44 +244,34 @@ def serve_front_end(socket_path: str) -> int:
 def split_server(
     name: str, env: dict[str, str], model_env: dict[str, str]
 ) -> Iterator[tuple[str, int, int]]:
-    """The model side (`model_env` added to its settings), then the front end; their URL and
-    the two processes' ids."""
+    """The model side (`model_env` added to its settings), then the front end, a server as
+    bench.throughput starts one; their URL and the two processes' ids."""
     with tempfile.TemporaryDirectory() as folder:
         socket_path = str(Path(folder) / "model.sock")
-        base = {**os.environ, "LOG_LEVEL": "warning", "TORCH_NUM_THREADS": "1", **env}
-        disk = str(WORK / "caches" / name)  # as bench.throughput.server: empty at each start
-        shutil.rmtree(disk, ignore_errors=True)
-        WORK.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no bench/out yet
-        logs = {side: (WORK / f"server-{name}-{side}.log").open("w") for side in ("model", "front")}
-        command = [sys.executable, "-m", "bench.split_served"]
-        model_side = subprocess.Popen(
-            [*command, "--model-side", socket_path],
-            cwd=REPO,
-            env={**base, "DISK_CACHE_DIR": disk, **model_env},
-            stdout=logs["model"],
-            stderr=logs["model"],
-        )
-        front_end: subprocess.Popen[bytes] | None = None
-        try:
-            wait_for_socket(socket_path, model_side)
-            port = free_port()
-            front_env = {**base, **FRONT_END_CACHES_OFF, "HOST": "127.0.0.1", "PORT": str(port)}
-            front_end = subprocess.Popen(
-                [*command, "--front-end", socket_path],
+        model_side_env = {
+            **os.environ,
+            "LOG_LEVEL": "warning",
+            "TORCH_NUM_THREADS": "1",
+            **env,
+            "DISK_CACHE_DIR": str(empty_disk_cache(name)),
+            **model_env,
+        }
+        with (WORK / f"server-{name}-model.log").open("w") as log:
+            model_side = subprocess.Popen(
+                [sys.executable, "-m", "bench.split_served", "--model-side", socket_path],
                 cwd=REPO,
-                env=front_env,
-                stdout=logs["front"],
-                stderr=logs["front"],
+                env=model_side_env,
+                stdout=log,
+                stderr=log,
             )
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, front_end, Path(logs["front"].name))
-            yield url, front_end.pid, model_side.pid
-        finally:
-            if front_end is not None:
-                stop(front_end)
-            stop(model_side)
-            for log in logs.values():
-                log.close()
+            try:
+                wait_for_socket(socket_path, model_side)
+                front = ("bench.split_served", "--front-end", socket_path)
+                front_env = {**env, **FRONT_END_CACHES_OFF}
+                with server(f"{name}-front", front_env, threads=1, module=front) as front_end:
+                    yield front_end.url, front_end.pid, model_side.pid
+            finally:
+                stop(model_side)
 
 
 def wait_for_socket(path: str, process: subprocess.Popen[bytes]) -> None:

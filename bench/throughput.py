@@ -46,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -302,32 +302,41 @@ def free_port() -> int:
         return port
 
 
-@contextmanager
-def server(
-    name: str, env: dict[str, str], threads: int, code: Path = REPO
-) -> Iterator[RunningServer]:
-    """The real server process on a free loopback port, stopped when the block ends; `code`:
-    the checkout whose `api` it runs (`python -m` imports from its working folder)."""
-    port = free_port()
-    # Each server's disk tier starts empty: in a folder grown over earlier runs to a million
-    # entries a write costs ~40 µs of CPU against ~23 µs in a new one, so runs on one
-    # machine would not compare.
+def empty_disk_cache(name: str) -> Path:
+    """The disk tier's folder of the server `name`, emptied. Each server's disk tier starts
+    empty: in a folder grown over earlier runs to a million entries a write costs ~40 µs of
+    CPU against ~23 µs in a new one, so runs on one machine would not compare."""
     disk_cache = WORK / "caches" / name  # never the repository's own .cache
     shutil.rmtree(disk_cache, ignore_errors=True)
+    WORK.mkdir(parents=True, exist_ok=True)  # for the logs: a fresh checkout has no bench/out
+    return disk_cache
+
+
+@contextmanager
+def server(
+    name: str,
+    env: dict[str, str],
+    threads: int,
+    code: Path = REPO,
+    module: Sequence[str] = ("api.cli",),
+) -> Iterator[RunningServer]:
+    """The real server process on a free loopback port, stopped when the block ends; `code`:
+    the checkout whose `api` it runs (`python -m` imports from its working folder); `module`:
+    what `python -m` runs, with its arguments."""
+    port = free_port()
     full = {
         **os.environ,
-        "DISK_CACHE_DIR": str(disk_cache),
+        "DISK_CACHE_DIR": str(empty_disk_cache(name)),
         "LOG_LEVEL": "warning",
         **env,
         "HOST": "127.0.0.1",
         "PORT": str(port),
         "TORCH_NUM_THREADS": str(threads),
     }
-    WORK.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no bench/out yet
     log = WORK / f"server-{name}.log"
     with log.open("w") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "api.cli"], cwd=code, env=full, stdout=sink, stderr=sink
+            [sys.executable, "-m", *module], cwd=code, env=full, stdout=sink, stderr=sink
         )
         try:
             url = f"http://127.0.0.1:{port}"
