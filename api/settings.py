@@ -111,6 +111,11 @@ class Settings(BaseSettings):
     torch_compile: bool = Field(
         False, description="torch.compile each model's forward (slower start-up)."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On a GPU, pad an unquantized classifier's batches to buckets and replay "
+        "each bucket's forward as a CUDA graph (each checked against the eager forward).",
+    )
     pack_batches: bool = Field(
         True,
         description="Run BERT/ELECTRA batches padding-free (checked against padded at load).",

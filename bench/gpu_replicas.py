@@ -20,19 +20,16 @@ balancer would), one 128-token text a request. It writes bench/reports/gpu-repli
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from bench import gpu, gpu_load
-from bench.gpu_models import TINY, USERS, Shapes, build_koelectra, texts
-from bench.report_files import write_report
+from bench import gpu, gpu_cli, gpu_load
+from bench.gpu_cli import tenths
+from bench.gpu_models import TINY, USERS, Shapes, texts
 
 REPORT_NAME = "gpu-replicas"
 MODEL = gpu.KOELECTRA
@@ -109,21 +106,13 @@ def measure(plan: Plan, env: dict[str, str], corpus: list[str], work: Path) -> l
 
 
 def run(plan: Plan, work: Path, smoke: bool) -> dict[str, Any]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     began = time.perf_counter()
-    base, adapter = work / "models" / "koelectra", work / "models" / "koelectra-spam"
-    build_koelectra(base, adapter, plan.shapes, seed=0)
+    device, base, adapter = gpu_cli.koelectra(work, plan.shapes)
     corpus = texts(base, plan.tokens, 64, seed=plan.tokens)
     models = models_file(work / "models.yaml", base, adapter, plan.tokens)
     env = gpu.server_env(work, models, device, plan.tokens)
     rows = measure(plan, env, corpus, work)
-    meta = {
-        **gpu.environment(device),
-        "smoke": smoke,
-        "plan": {**asdict(plan), "shapes": plan.shapes.koelectra},
-        "wall_s": time.perf_counter() - began,
-        "command": " ".join(["python -m bench.gpu_replicas", *sys.argv[1:]]),
-    }
+    meta = gpu_cli.meta("bench.gpu_replicas", device, smoke, plan, began)
     return {"meta": meta, "rows": rows}
 
 
@@ -164,8 +153,8 @@ def markdown(report: dict[str, Any]) -> str:
         used = row["driver_used_gb"]
         lines.append(
             f"| {row['replicas']} | {row['clients']} | {row['texts_per_s']:,.1f} "
-            f"| {_tenths(row['p50_ms'])} | {_tenths(row['p99_ms'])} | {statuses} "
-            f"| {_tenths(row['mean_batch_texts'])} | {_tenths(row['mean_batch_ms'])} "
+            f"| {tenths(row['p50_ms'])} | {tenths(row['p99_ms'])} | {statuses} "
+            f"| {tenths(row['mean_batch_texts'])} | {tenths(row['mean_batch_ms'])} "
             f"| {'—' if used is None else f'{used:.2f}'} | {ready} |"
         )
     lines += ["", *comparison(rows), ""]
@@ -183,34 +172,10 @@ def comparison(rows: list[dict[str, Any]]) -> list[str]:
     return [f"Best throughput per replica count, against one replica: {'; '.join(parts)}."]
 
 
-def _tenths(value: float | None) -> str:
-    return "—" if value is None else f"{value:.1f}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.gpu_replicas", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
-    parser.add_argument("--work", type=Path, help="models and server logs (default bench/out)")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
-    parser.add_argument("--seconds", type=float, help="seconds per load point")
-    args = parser.parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        print("no GPU is visible to torch here; `--smoke` runs the same code", file=sys.stderr)
-        return 2
-    plan = SMOKE if args.smoke else FULL
-    if args.seconds is not None:
-        plan = replace(plan, seconds=args.seconds)
-    work = args.work or gpu.OUT / (f"{REPORT_NAME}-smoke" if args.smoke else REPORT_NAME)
-    out = args.out or (work if args.smoke else gpu.REPORTS)
-    if args.smoke and out.resolve() == gpu.REPORTS.resolve():
-        print("--smoke figures are not a GPU's: they never go into bench/reports", file=sys.stderr)
-        return 2
-    work.mkdir(parents=True, exist_ok=True)
-    report = run(plan, work, args.smoke)
-    write_report(out, REPORT_NAME, report, markdown(report))
-    return 0
+    summary = (__doc__ or "").split("\n")[0]
+    plans = (FULL, SMOKE)
+    return gpu_cli.main(argv, "bench.gpu_replicas", summary, REPORT_NAME, plans, run, markdown)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ def test_ready_after_load_lists_both_models(client: TestClient) -> None:
     # measured at warm-up (tiny models cost almost nothing per token, so the measured slope
     # may be none: then no limit); tests/test_loader.py checks the arithmetic.
     assert bert["packed_batches"] and bert["batch_overhead_tokens"] is None
+    assert not bert["cuda_graphs"] and not llama["cuda_graphs"]  # CUDA_GRAPHS is for GPUs
     assert not llama["packed_batches"]
     assert llama["batch_overhead_tokens"] is None or llama["batch_overhead_tokens"] >= 0
 

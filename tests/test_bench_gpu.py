@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import gpu_replicas, gpu_report
+from bench import gpu_graphs, gpu_replicas, gpu_report
 from bench.gpu import BATCH_SIZES, REPORTS, SMOKE, main
 from bench.gpu_load import client_shares, load, metric_sums
 from bench.load_clients import CLIENTS_PER_PROCESS
@@ -139,6 +139,26 @@ def test_the_replicas_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) ->
     assert gpu_replicas.main(["--smoke", "--out", str(REPORTS)]) == 2
 
 
+def test_the_cuda_graphs_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
+    """bench.gpu_graphs on tiny shapes: the forward both ways (here on the CPU, where no model
+    records graphs, so both ways give the same logits), then a server started with
+    CUDA_GRAPHS=false and one with true, every request answered."""
+    report, markdown = smoke_run("gpu_graphs", "gpu-graphs", tmp_path, timeout=290)
+    forward = report["forward"]
+    assert not forward["enabled"] and forward["recorded"] == 0
+    shapes = [(row["tokens"], row["texts"]) for row in forward["rows"]]
+    assert shapes == [(32, 1), (32, 8), (32, 32), (64, 1), (64, 8), (64, 32)]
+    assert all(row["max_logit_difference"] == 0 for row in forward["rows"])
+    served = report["served"]
+    assert [(row["cuda_graphs"], row["clients"]) for row in served] == [(False, 4), (True, 4)]
+    for row in served:
+        assert not row["listed_cuda_graphs"] and not row["graph_warnings"]
+        assert set(row["statuses"]) == {"200"} and row["mean_batch_texts"] >= 1
+    assert gpu_graphs.markdown(report) == markdown
+    assert "smoke run: not a GPU's figures" in markdown
+    assert gpu_graphs.main(["--smoke", "--out", str(REPORTS)]) == 2
+
+
 def test_a_load_point_over_several_client_processes_counts_what_the_server_answered(
     tmp_path: Path,
 ) -> None:
@@ -175,6 +195,15 @@ def test_the_committed_replicas_report_is_its_figures_rendered() -> None:
     assert figures["meta"]["device"] == "cuda" and not figures["meta"]["smoke"]
     expected = (REPORTS / "gpu-replicas.md").read_text(encoding="utf-8")
     assert gpu_replicas.markdown(figures) == expected
+
+
+def test_the_committed_cuda_graphs_report_is_its_figures_rendered() -> None:
+    figures = json.loads((REPORTS / "gpu-graphs.json").read_text(encoding="utf-8"))
+    assert figures["meta"]["device"] == "cuda" and not figures["meta"]["smoke"]
+    assert figures["forward"]["enabled"] and figures["forward"]["failure"] is None
+    assert [row["listed_cuda_graphs"] for row in figures["served"]] == [False] * 4 + [True] * 4
+    expected = (REPORTS / "gpu-graphs.md").read_text(encoding="utf-8")
+    assert gpu_graphs.markdown(figures) == expected
 
 
 def test_the_committed_gpu_report_is_its_figures_rendered() -> None:

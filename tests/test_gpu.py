@@ -10,13 +10,13 @@ import torch
 from api.metrics import GpuMemoryCollector
 from api.models.loader import LoadError, load_model
 from api.models.predictor import Predictor
-from tests.conftest import make_settings, spec_for
+from tests.conftest import make_settings, serving, spec_for
 from tests.tiny_models import TinyModel
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU: bitsandbytes 4-bit on GPU"
+        not torch.cuda.is_available(), reason="needs a CUDA GPU: bitsandbytes 4-bit and CUDA graphs"
     ),
 ]
 
@@ -93,3 +93,98 @@ def test_on_the_gpu_a_text_scored_alone_keeps_its_lone_logits_in_any_batch(
 
     predictor.scores_alone = True
     assert logits(rows, adapters) == alone
+
+
+GRAPHED_TEXTS = [
+    "win a free prize now call",
+    "are we still meeting for lunch tomorrow",
+    "ok",
+    " ".join(["call now to claim your free prize"] * 6),  # past 32 tokens: the next bucket
+    "see you at the station",
+]
+
+
+def test_cuda_graphs_give_the_eager_forwards_logits_at_every_bucket(tiny_bert: TinyModel) -> None:
+    """Batches of 1, 3 and 5 texts, each replayed from a graph recorded at its bucket (rows
+    to a power of two, tokens to a multiple of 32), against the model run eagerly as it is."""
+    spec = spec_for(tiny_bert, max_length=64)
+    settings = make_settings(device="cuda", pack_batches=False)
+    eager = Predictor(load_model(spec, settings))
+    graphed = Predictor(load_model(spec, settings))
+    assert graphed.enable_cuda_graphs(max_rows=8)
+    graphs = graphed.cuda_graphs
+    assert graphs is not None
+    assert [graphs.buckets.of(*shape) for shape in ((1, 5), (3, 33), (5, 64), (9, 8))] == [
+        (1, 32),
+        (4, 64),
+        (8, 64),
+        None,
+    ]
+
+    for batch in (GRAPHED_TEXTS[:1], GRAPHED_TEXTS[:3], GRAPHED_TEXTS):
+        got = [s.logits for s in graphed.predict(batch, "spam")]
+        want = [s.logits for s in eager.predict(batch, "spam")]
+        assert len(got) == len(batch)
+        for row_got, row_want in zip(got, want, strict=True):
+            assert row_got == pytest.approx(row_want, abs=1e-4)
+
+    assert graphs.failure is None
+    assert (graphs.recorded, graphs.replays) == (3, 3)
+    graphed.predict(GRAPHED_TEXTS[:1], "spam")  # the same bucket: replayed, not recorded again
+    assert (graphs.recorded, graphs.replays) == (3, 4)
+
+
+def test_cuda_graphs_replay_the_adapter_each_batch_names(tiny_bert: TinyModel) -> None:
+    """A graph holds the weights it was recorded with: one per adapter, and none survives an
+    adapter's removal. The two adapters answer differently, so a graph of the wrong one shows."""
+    spec = spec_for(tiny_bert, max_length=64)
+    settings = make_settings(device="cuda", pack_batches=False)
+    eager = Predictor(load_model(spec, settings))
+    graphed = Predictor(load_model(spec, settings))
+    assert graphed.enable_cuda_graphs(max_rows=8)
+
+    def logits(predictor: Predictor, names: list[str | None]) -> list[tuple[float, ...]]:
+        rows = predictor.encode(GRAPHED_TEXTS)
+        scored = predictor.forward(rows, names)
+        return [s.logits for s in scored if not isinstance(s, Exception)]
+
+    spam, promo = ["spam"] * 5, ["promo"] * 5
+    mixed: list[str | None] = ["spam", "promo", "promo", "spam", "promo"]
+    assert logits(eager, list(spam)) != logits(eager, list(promo))
+    for names in (spam, promo, spam, mixed):
+        got, want = logits(graphed, list(names)), logits(eager, list(names))
+        for row_got, row_want in zip(got, want, strict=True):
+            assert row_got == pytest.approx(row_want, abs=1e-4)
+    graphs = graphed.cuda_graphs
+    assert graphs is not None and graphs.failure is None and graphs.recorded >= 2
+
+    graphed.detach_adapter("promo")
+    assert graphs.recorded == 0
+    got, want = logits(graphed, list(spam)), logits(eager, list(spam))
+    for row_got, row_want in zip(got, want, strict=True):
+        assert row_got == pytest.approx(row_want, abs=1e-4)
+
+
+def test_a_served_model_on_the_gpu_answers_alike_with_and_without_cuda_graphs(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    """The real app on CUDA: /models says which runs graphs, and both answer the same."""
+    spec = spec_for(tiny_bert, max_length=64)
+    answers = {}
+    for graphs in (False, True):
+        with serving(
+            [spec], tmp_path / f"cache-{graphs}", device="cuda", cuda_graphs=graphs
+        ) as client:
+            assert client.get("/models").json()["models"][0]["cuda_graphs"] is graphs
+            response = client.post(
+                "/predict", json={"inputs": GRAPHED_TEXTS, "adapter": "promo", "cache": False}
+            )
+            assert response.status_code == 200, response.text
+            answers[graphs] = response.json()
+    eager, graphed = answers[False], answers[True]
+    assert len(graphed) == len(eager) == len(GRAPHED_TEXTS)
+    for got, want in zip(graphed, eager, strict=True):
+        scores = {item["label"]: item["score"] for item in want}
+        assert {item["label"] for item in got} == set(scores)
+        for item in got:
+            assert item["score"] == pytest.approx(scores[item["label"]], abs=1e-4)

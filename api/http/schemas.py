@@ -159,6 +159,10 @@ class ModelInfo(BaseModel):
     packed_batches: bool = Field(
         description="Batches run padding-free, the texts packed into one sequence."
     )
+    cuda_graphs: bool = Field(
+        description="Batches run padded to buckets (rows to a power of two, tokens to a "
+        "multiple of 32), each bucket's forward replayed as a CUDA graph (CUDA_GRAPHS)."
+    )
     batch_max_logit_difference: float | None = Field(
         description="Largest logit difference of a probe text alone and among batch-mates of "
         "other lengths, measured at load: 0 means a text's scores do not depend on its batch."

@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 
 from api.models.adapters import CheckedAdapter, attach_checked, detach
+from api.models.cuda_graphs import CudaGraphs
 from api.models.loader import BUILD_LOCK, LoadedModel
 from api.models.packing import PackedRunner, PackingUnsupported, tolerance
 from api.models.tokenizing import TextEncoder
@@ -90,6 +91,7 @@ class Predictor:
         self._default_adapter = loaded.spec.active_default_adapter
         self._active_adapter: str | None = None
         self._packed: PackedRunner | None = None
+        self._graphs: CudaGraphs | None = None
         # Set by the registry where BATCH_LOGIT_TOLERANCE finds this model's batches move a
         # text's logits: each text then runs as a batch of one, as `batch_variance` runs it.
         self.scores_alone = False
@@ -98,6 +100,49 @@ class Predictor:
     def packs_batches(self) -> bool:
         """Batches run padding-free (see api.models.packing)."""
         return self._packed is not None
+
+    @property
+    def cuda_graphs(self) -> CudaGraphs | None:
+        """The model's CUDA graphs, where its batches run through them (see enable_cuda_graphs)."""
+        return self._graphs
+
+    def enable_cuda_graphs(self, max_rows: int) -> bool:
+        """Runs batches of up to `max_rows` texts padded to buckets and replayed as CUDA graphs
+        from now on (see api.models.cuda_graphs), if this model can; else says why in the log.
+
+        Run it on the thread that serves, before the warm-up (which then records the graphs
+        of its batches); every other bucket's graph is recorded at its first batch."""
+        reason = self._cuda_graphs_refusal()
+        if reason is not None:
+            logger.info("model %s runs without CUDA graphs: %s", self.loaded.spec.name, reason)
+            return False
+        pad_values = {
+            "input_ids": cast(int, self._tokenizer.pad_token_id),
+            "attention_mask": 0,
+            "token_type_ids": self._tokenizer.pad_token_type_id,
+        }
+        self._graphs = CudaGraphs(
+            self.loaded.model,
+            self.loaded.device,
+            max_rows,
+            self.max_length,
+            pad_values,
+            self.loaded.spec.name,
+        )
+        return True
+
+    def _cuda_graphs_refusal(self) -> str | None:
+        if self.loaded.device.type != "cuda":
+            return f"it runs on {self.loaded.device.type}"
+        if self.loaded.spec.quantization != "none":
+            return f"{self.loaded.spec.quantization} kernels are launched as they come"
+        if self.loaded.label_token_ids is not None:
+            return "a causal LM's prompted forward is not recorded"
+        if self._packed is not None:
+            return "its batches run packed"
+        if self._tokenizer.padding_side != "right" or self._tokenizer.pad_token_id is None:
+            return "its tokenizer does not pad on the right with a padding token"
+        return None
 
     def enable_packing(self) -> bool:
         """Runs batches packed from now on, if this model can and a packed forward of a probe
@@ -243,6 +288,7 @@ class Predictor:
                 attach_checked(self.loaded.model, name, checked)
             finally:
                 self._active_adapter = None  # whatever peft made active, set it again
+                self._forget_graphs()
 
     def detach_adapter(self, name: str) -> None:
         """Removes the adapter `name`. Run it on the thread that serves, between batches."""
@@ -250,6 +296,12 @@ class Predictor:
             detach(self.loaded.model, name)
         finally:
             self._active_adapter = None
+            self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        """A graph replays the layers it was recorded with: peft has just rewired them."""
+        if self._graphs is not None:
+            self._graphs.clear()
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """On GPU, copies from pinned host memory without blocking the CPU thread."""
@@ -338,6 +390,10 @@ class Predictor:
             pad_to_multiple_of=self.pad_to_multiple_of,
             return_tensors="pt",
         )
+        if self._graphs is not None:
+            graphed = self._graphs.logits(padded, self._active_adapter)
+            if graphed is not None:
+                return graphed
         inputs: dict[str, Any] = {name: self._to_device(t) for name, t in padded.items()}
         if self.loaded.label_token_ids is not None:
             # Left-padded: each row's positions count from its first real token, and only

@@ -187,6 +187,9 @@ class Registry:
             if self.settings.pack_batches and not self.settings.torch_compile:
                 with timed(loaded.phases, "warmup"):
                     device.submit(predictor.enable_packing).result()
+            if self.settings.cuda_graphs and not self.settings.torch_compile:
+                rows = self.settings.max_batch_size
+                device.submit(predictor.enable_cuda_graphs, rows).result()
             if self.settings.warmup:
                 progress.state = "warming"
                 with timed(loaded.phases, "warmup"):

@@ -36,6 +36,7 @@ class AnswerIdentity:
             "adapter_config": digests.config if digests else None,
             **loaded.numerics,
             "packed_batches": served.predictor.packs_batches,
+            "cuda_graphs": served.predictor.cuda_graphs is not None,
             "scores_texts_alone": served.predictor.scores_alone,
             "pad_to_multiple_of": served.predictor.pad_to_multiple_of,
             "versions": library_versions(),

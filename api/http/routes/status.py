@@ -64,6 +64,7 @@ def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
         prequantized_cache=loaded.prequantized,
         batch_overhead_tokens=served.overhead_tokens,
         packed_batches=served.predictor.packs_batches,
+        cuda_graphs=served.predictor.cuda_graphs is not None,
         batch_max_logit_difference=served.batch_variance,
         scores_texts_alone=served.predictor.scores_alone,
         identities=[
