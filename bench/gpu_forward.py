@@ -4,7 +4,8 @@ ways, so that the served batch time can be split into the model and what serving
 
 - model: the model's own call on padded ids already on the device, synchronized;
 - predictor: `Predictor.forward`, what the batch worker calls (ids from the host, packing
-  where the model packs, scores back on the host).
+  where the model packs, CUDA graphs where the server would replay them, scores back on the
+  host).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def model_times(
 ) -> list[dict[str, Any]]:
     loaded = load_model(spec, settings)
     predictor = Predictor(loaded)
+    # As the server runs it: replayed as CUDA graphs where it would be.
+    graphed = settings.cuda_graphs and predictor.enable_cuda_graphs(settings.max_batch_size)
     adapter = spec.adapters[0].name if spec.adapters else None
     rows = []
     for tokens, texts in corpus.items():
@@ -66,6 +69,7 @@ def model_times(
                     "texts": size,
                     "model_ms": model_ms,
                     "predictor_ms": predictor_ms,
+                    "predictor_graphed": graphed,
                 }
             )
     return rows

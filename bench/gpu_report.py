@@ -220,6 +220,12 @@ def latency_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def graphed_note(report: dict[str, Any]) -> str:
+    """Which models' predictor rows replayed CUDA graphs (runs before CUDA_GRAPHS say none)."""
+    graphed = sorted({row["model"] for row in report["forward"] if row.get("predictor_graphed")})
+    return f"; replayed as CUDA graphs for {', '.join(graphed)}, as served" if graphed else ""
+
+
 def forward_lines(report: dict[str, Any]) -> list[str]:
     """The served batch time beside the same batch in the benchmark's own process."""
     served = {(row["model"], row["tokens"], row["texts"]): row for row in report["latency"]}
@@ -228,8 +234,8 @@ def forward_lines(report: dict[str, Any]) -> list[str]:
         "server's loader once the servers had stopped; median of "
         f"{report['meta']['plan']['repeats']} after two warm-ups, the device synchronized. "
         "model: the model's own call on padded ids already on the device; predictor: "
-        "`Predictor.forward`, what the batch worker calls (ids from the host, scores back); "
-        "served: the batch time above.",
+        "`Predictor.forward`, what the batch worker calls (ids from the host, scores back"
+        f"{graphed_note(report)}); served: the batch time above.",
         "",
         "| model | tokens | texts | model ms | predictor ms | served ms |",
         "|---|---|---|---|---|---|",

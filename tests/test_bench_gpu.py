@@ -76,6 +76,7 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
     assert forward == grid  # the same batches in the benchmark's own process
     for row in report["forward"]:
         assert row["model_ms"] > 0 and row["predictor_ms"] > 0
+        assert row["predictor_graphed"] is False  # as served: no CUDA graphs off a GPU
     assert "## The forward alone" in markdown
 
     points = {(point["model"], point["clients"]) for point in report["throughput"]}
