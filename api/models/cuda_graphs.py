@@ -97,27 +97,36 @@ class CudaGraphs:
         """Drops every graph: the weights they read may be about to change."""
         self._graphs.clear()
 
-    def logits(
-        self, inputs: Mapping[str, torch.Tensor], adapter: str | None
-    ) -> torch.Tensor | None:
-        """The logits of a padded batch (host tensors, padded on the right) at its bucket,
-        through a graph (recorded first where none runs this bucket yet) unless recording has
-        failed; None: beyond every bucket, for the caller to run as it is."""
+    def placed(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A padded batch (host tensors, padded on the right) padded on to its bucket, on the
+        host: padding to the right, copies of the first row below; None where it has no
+        bucket (too many rows, too long, or an input this class does not know how to pad)."""
         if set(inputs) - set(self._pad_values):
             return None
         rows, length = inputs["input_ids"].shape
         bucket = self.buckets.of(rows, length)
         if bucket is None:
             return None
-        placed = {name: self._placed(name, tensor, bucket) for name, tensor in inputs.items()}
+        placed = {}
+        for name, tensor in inputs.items():
+            filled = torch.full(bucket, self._pad_values[name], dtype=tensor.dtype)
+            filled[:rows, :length] = tensor
+            filled[rows:] = filled[0]
+            placed[name] = filled
+        return placed
+
+    def replay(self, placed: dict[str, torch.Tensor], adapter: str | None) -> torch.Tensor | None:
+        """The logits of a batch `placed` at its bucket, through the graph of this adapter
+        and bucket (recorded first where there is none yet); None once recording has
+        failed, for the caller to run the batch eagerly."""
         if self.failure is not None:
-            return self._eager(placed)[:rows]
-        key = (adapter, *bucket)
+            return None
+        key = (adapter, *placed["input_ids"].shape)
         recorded = self._graphs.get(key)
         if recorded is None:
             recorded = self._record(placed)
             if recorded is None:
-                return self._eager(placed)[:rows]
+                return None
             self._graphs[key] = recorded
         else:
             for name, tensor in placed.items():
@@ -125,22 +134,7 @@ class CudaGraphs:
         recorded.graph.replay()
         self.replays += 1
         # The pool's memory is the next graph's: the caller gets a copy.
-        return recorded.logits[:rows].clone()
-
-    def _placed(self, name: str, tensor: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
-        """`tensor` padded to the bucket on the host: padding to the right, rows below."""
-        rows, length = tensor.shape
-        placed = torch.full(bucket, self._pad_values[name], dtype=tensor.dtype)
-        placed[:rows, :length] = tensor
-        placed[rows:] = placed[0]
-        return placed
-
-    def _eager(self, placed: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {
-            name: tensor.pin_memory().to(self._device, non_blocking=True)
-            for name, tensor in placed.items()
-        }
-        return cast(Any, self._model)(**inputs).logits  # type: ignore[no-any-return]
+        return recorded.logits.clone()
 
     def _record(self, placed: dict[str, torch.Tensor]) -> _Recorded | None:
         """Records the forward of this padded batch and checks its replay against the eager

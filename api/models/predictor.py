@@ -7,6 +7,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -384,16 +385,19 @@ class Predictor:
         return self._padded_logits(batch)
 
     def _padded_logits(self, batch: list[list[int]]) -> torch.Tensor:
-        padded = self._tokenizer.pad(
+        padded: Mapping[str, torch.Tensor] = self._tokenizer.pad(
             {"input_ids": batch},
             padding=True,
             pad_to_multiple_of=self.pad_to_multiple_of,
             return_tensors="pt",
         )
-        if self._graphs is not None:
-            graphed = self._graphs.logits(padded, self._active_adapter)
+        placed = None if self._graphs is None else self._graphs.placed(padded)
+        if self._graphs is not None and placed is not None:
+            # At its bucket, replayed or (where recording failed) not: the same answers.
+            padded = placed
+            graphed = self._graphs.replay(placed, self._active_adapter)
             if graphed is not None:
-                return graphed
+                return graphed[: len(batch)]
         inputs: dict[str, Any] = {name: self._to_device(t) for name, t in padded.items()}
         if self.loaded.label_token_ids is not None:
             # Left-padded: each row's positions count from its first real token, and only
@@ -404,7 +408,7 @@ class Predictor:
         logits: torch.Tensor = cast(Any, self.loaded.model)(**inputs).logits
         if self.loaded.label_token_ids is not None:
             return logits[:, -1, self.loaded.label_token_ids]
-        return logits
+        return logits[: len(batch)]  # a bucket's extra rows dropped
 
     def _per_adapter(self, batch: list[list[int]], names: list[str | None]) -> torch.Tensor:
         """One forward per adapter in the batch, the logits back in the batch's order.
