@@ -5,9 +5,6 @@ on tiny shapes on this machine's device, so that it cannot rot before a GPU runs
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,8 @@ from bench import gpu_graphs, gpu_replicas, gpu_report
 from bench.gpu import BATCH_SIZES, REPORTS, SMOKE, main
 from bench.gpu_load import client_shares, load, metric_sums
 from bench.load_clients import CLIENTS_PER_PROCESS
-from tests.server_process import REPO_ROOT, run_server
+from tests.bench_runs import run_bench
+from tests.server_process import run_server
 from tests.tiny_models import write_models_file
 
 
@@ -26,20 +24,8 @@ def smoke_run(module: str, report: str, tmp_path: Path, timeout: float) -> tuple
     """`python -m bench.<module> --smoke` in its own process, into `tmp_path`: the report's
     figures (`<report>.json`) and page (`<report>.md`)."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", f"bench.{module}", "--smoke"]
-    command += ["--work", str(tmp_path / "work"), "--out", str(out)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads((out / f"{report}.json").read_text(encoding="utf-8"))
+    args = ["--smoke", "--work", str(tmp_path / "work"), "--out", str(out)]
+    figures = run_bench(module, args, out, report, timeout)
     return figures, (out / f"{report}.md").read_text(encoding="utf-8")
 
 

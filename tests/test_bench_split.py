@@ -5,13 +5,10 @@ HTTP (disk tier on and off), and the report's page."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from bench.split import ANSWER, CLIENT_COUNTS, answers_for
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_runs import run_bench
 
 
 def test_the_reply_holds_one_answer_of_the_services_shape_a_text() -> None:
@@ -20,16 +17,8 @@ def test_the_reply_holds_one_answer_of_the_services_shape_a_text() -> None:
 
 
 def test_the_split_benchmark_measures_the_hop_and_the_model_side(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.split", "--quick", "--out", str(tmp_path)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads((tmp_path / "split.json").read_text(encoding="utf-8"))
+    args = ["--quick", "--out", str(tmp_path)]
+    figures = run_bench("split", args, tmp_path, "split", timeout=300)
     hop = figures["hop"]
     assert [row["clients"] for row in hop] == list(CLIENT_COUNTS)
     for row in hop:
