@@ -164,6 +164,12 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(
         10.0, ge=0, description="On SIGTERM: most seconds to finish accepted requests."
     )
+    gc_gen0_threshold: int = Field(
+        10_000,
+        ge=1,
+        description="While serving: net allocations between Python's youngest-generation "
+        "collections (Python's own default: 700; see docs/batching.md).",
+    )
 
     # --- dynamic batching (per model) ---
     max_batch_size: int = Field(32, ge=1, description="Most texts in one forward pass.")

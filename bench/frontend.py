@@ -421,8 +421,13 @@ def summary(
         "ratios": [round(ratio, 3) for ratio in ratios],
         "cached_ratio": round(statistics.median(cached_ratios), 3),
         "cached_ratios": [round(ratio, 3) for ratio in cached_ratios],
-        "predict_cpu_us_median": statistics.median(p.server_cpu_us_per_request for p in predict),
-        "cached_cpu_us_median": statistics.median(c.server_cpu_us_per_request for c in cached),
+        # Rounded: with an even number of rounds the median is the mean of two.
+        "predict_cpu_us_median": round(
+            statistics.median(p.server_cpu_us_per_request for p in predict), 1
+        ),
+        "cached_cpu_us_median": round(
+            statistics.median(c.server_cpu_us_per_request for c in cached), 1
+        ),
         "median_round": {
             "health": asdict(health[median]),
             "predict": asdict(predict[median]),
@@ -575,7 +580,9 @@ def thread_medians(points: list[dict[str, Any]]) -> dict[str, float]:
     """Each thread's CPU µs a request, the median of the rounds (0 where a round lacks it)."""
     threads = dict.fromkeys(name for point in points for name in point["thread_cpu_us_per_request"])
     return {
-        name: statistics.median(p["thread_cpu_us_per_request"].get(name, 0.0) for p in points)
+        name: round(
+            statistics.median(p["thread_cpu_us_per_request"].get(name, 0.0) for p in points), 1
+        )
         for name in threads
     }
 

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from api.cli import quiet_libraries
-from api.http.app import freeze_startup_heap
 from api.models.predictor import Predictor
 from api.models.registry import Registry
 from api.models.spec import load_models_file
+from api.serving.heap import ServingHeap
 from api.settings import load_settings
 
 Rows = list[list[int]]
@@ -51,7 +51,7 @@ def load_predictor(threads: int) -> Predictor:
     registry = Registry([spec], settings)
     registry.load_all()  # loads, packs where it applies, warms up: what the server does
     registry.close()  # its device thread: here every forward runs on the main thread
-    freeze_startup_heap()  # as the server does once ready
+    ServingHeap(settings.gc_gen0_threshold).settle()  # as the server does once ready
     return registry.models[spec.name].predictor
 
 

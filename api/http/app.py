@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ from api.serving.batching import Batcher, BatchLimits, BatchStats
 from api.serving.cache import ResultCache
 from api.serving.cascade import Cascade, cascade_models, cascade_threshold
 from api.serving.classify import ModelRunner
+from api.serving.heap import ServingHeap
 from api.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,12 @@ def create_app(
     registry = Registry(specs, settings)
     state = ServiceState(settings=settings, registry=registry, metrics=metrics)
 
+    heap = ServingHeap(settings.gc_gen0_threshold)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.cache = ResultCache.from_settings(settings, metrics)
-        loading = asyncio.create_task(_load(state, cascade, on_fatal))
+        loading = asyncio.create_task(_load(state, cascade, heap, on_fatal))
         try:
             yield
         finally:
@@ -84,7 +86,7 @@ def create_app(
             await asyncio.gather(*(r.adapters.close() for r in state.runners.values()))
             registry.close()
             await state.cache.close()
-            gc.unfreeze()  # what start-up built may be garbage now: collectable again
+            heap.release()  # what start-up built may be garbage now: collectable again
 
     app = FastAPI(
         title="loraserve",
@@ -122,6 +124,7 @@ def create_app(
 async def _load(
     state: ServiceState,
     cascade: tuple[str, str] | None,
+    heap: ServingHeap,
     on_fatal: FatalHandler | None,
 ) -> None:
     try:
@@ -144,28 +147,12 @@ async def _load(
             on_fatal(exc)
         return
     if state.phase is Phase.LOADING:
-        freeze_startup_heap()
+        heap.settle()
         state.phase = Phase.READY
         state.metrics.ready.set(1)
         logger.info("ready: %s", ", ".join(state.registry.models))
     if adapters_dir is not None:
         await adapters_dir.run()  # until the lifespan cancels loading, at shutdown
-
-
-def freeze_startup_heap() -> None:
-    """Moves every object start-up built (modules, models, tokenizers) out of the cyclic
-    collector's reach until shutdown.
-
-    Python's oldest-generation collection walks every tracked object. With transformers,
-    peft and a model loaded that is hundreds of thousands of objects that live as long as
-    the process: measured at 32 clients here, each such collection held the GIL ~275 ms,
-    stopping the event loop and the forward alike, a few times a minute; those pauses were
-    the served p99 (~300 ms against a ~55 ms mean). Frozen, a collection walks only what
-    serving made since. An adapter attached at start-up and detached later is still freed:
-    by reference counts, which freezing leaves alone (tested).
-    """
-    gc.collect()
-    gc.freeze()
 
 
 async def _read_adapters_dir(state: ServiceState) -> AdapterFolder | None:
