@@ -23,7 +23,7 @@ from api.serving.admission import (
 from api.serving.batch_plan import Work
 from api.serving.batching import Backlog, Batcher, BatchLimits, BatchStats
 from api.serving.running_quantile import RunningQuantile
-from tests.load_client import metric, run_load, sms_texts
+from tests.load_client import LoadResult, metric, run_load, sms_texts
 from tests.server_process import run_server
 from tests.test_batching import FakePredictor
 from tests.tiny_models import embedded_encoder_file
@@ -247,7 +247,11 @@ P99_LIMIT_SECONDS = 2.0
 TEXTS_PER_REQUEST = 8
 SATURATING_CLIENTS = 32
 OVERLOAD_CLIENTS = 128
-LOAD_SECONDS = 15
+LOAD_SECONDS = 10
+# Saturated and overloaded take turns this many times, and each rate is over all of its
+# runs: one run's rate on this shared machine moves by a fifth (a saturated run of 15 s gave
+# 290 to 358 texts/s), and a drift then hits both alike.
+LOAD_ROUNDS = 2
 
 
 def test_overload_keeps_the_200s_under_the_target_at_full_throughput(tmp_path: Path) -> None:
@@ -262,35 +266,48 @@ def test_overload_keeps_the_200s_under_the_target_at_full_throughput(tmp_path: P
         # "Speed and memory on this CPU"); no estimate from past batches can foresee that.
         "TORCH_NUM_THREADS": "1",
     }
+    saturated: list[LoadResult] = []
+    overloads: list[LoadResult] = []
     with run_server(env, tmp_path) as server:
         server.wait_ready()
-        saturated = run_load(server.url, SATURATING_CLIENTS, LOAD_SECONDS, texts, TEXTS_PER_REQUEST)
-        # Refused clients retry at once, ignoring Retry-After (as wrk does): the server must
-        # hold its throughput against them too (REFUSAL_DELAY_SECONDS).
-        overload = run_load(
-            server.url,
-            OVERLOAD_CLIENTS,
-            LOAD_SECONDS,
-            texts,
-            TEXTS_PER_REQUEST,
-            honour_retry_after=False,
-        )
+        for _ in range(LOAD_ROUNDS):
+            saturated.append(
+                run_load(server.url, SATURATING_CLIENTS, LOAD_SECONDS, texts, TEXTS_PER_REQUEST)
+            )
+            # Refused clients retry at once, ignoring Retry-After (as wrk does): the server
+            # must hold its throughput against them too (REFUSAL_DELAY_SECONDS).
+            overloads.append(
+                run_load(
+                    server.url,
+                    OVERLOAD_CLIENTS,
+                    LOAD_SECONDS,
+                    texts,
+                    TEXTS_PER_REQUEST,
+                    honour_retry_after=False,
+                )
+            )
         refused = metric(server.url, "loraserve_admission_refusals_total", model="spam-minilm")
-    saturated_rate = saturated.statuses[200] / saturated.seconds
-    overload_rate = overload.statuses[200] / overload.seconds
+    saturated_rate = ok_rate(saturated)
+    overload_rate = ok_rate(overloads)
     figures = {
-        "saturated": saturated.summary(),
-        "overload": overload.summary(),
+        "saturated": [run.summary() for run in saturated],
+        "overload": [run.summary() for run in overloads],
         "texts_per_s_saturated": round(saturated_rate * TEXTS_PER_REQUEST, 1),
         "texts_per_s_overload_200s": round(overload_rate * TEXTS_PER_REQUEST, 1),
         "admission_refusals": refused,
     }
     print(json.dumps(figures))
-    assert set(overload.statuses) == {200, 429}, figures
-    assert overload.missing_retry_after == 0 and overload.transport_errors == 0, figures
-    assert overload.percentile_ms(0.99) < P99_LIMIT_SECONDS * 1000, figures
+    for overload in overloads:
+        assert set(overload.statuses) == {200, 429}, figures
+        assert overload.missing_retry_after == 0 and overload.transport_errors == 0, figures
+        assert overload.percentile_ms(0.99) < P99_LIMIT_SECONDS * 1000, figures
     assert overload_rate >= 0.9 * saturated_rate, figures
     assert refused > 0, figures
+
+
+def ok_rate(runs: list[LoadResult]) -> float:
+    """200s a second over all the runs."""
+    return sum(run.statuses[200] for run in runs) / sum(run.seconds for run in runs)
 
 
 # The padded LLM of the embedded default (SmolLM2, 4-bit) on this CPU: batches of a few
