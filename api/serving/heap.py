@@ -21,7 +21,7 @@ class ServingHeap:
     alive that was made since the last one, and under load those are the requests in
     flight (their coroutines, futures, dicts and lists), thousands of them. At Python's
     default of a collection every 700 net allocations, a one-text request paid for a share
-    of one every few requests: ~18 µs of the event loop's CPU a request on the model path
+    of one every few requests: 16–18 µs of the event loop's CPU a request on the model path
     (bench/reports/frontend.md). What serving makes is freed by reference counts; the
     collector is only for the few cycles among it, which wait a little longer.
     """
