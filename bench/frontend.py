@@ -39,6 +39,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -417,17 +418,12 @@ def summary(
     ]
     median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
     return {
-        "ratio": round(statistics.median(ratios), 3),
+        "ratio": rounded_median(ratios, 3),
         "ratios": [round(ratio, 3) for ratio in ratios],
-        "cached_ratio": round(statistics.median(cached_ratios), 3),
+        "cached_ratio": rounded_median(cached_ratios, 3),
         "cached_ratios": [round(ratio, 3) for ratio in cached_ratios],
-        # Rounded: with an even number of rounds the median is the mean of two.
-        "predict_cpu_us_median": round(
-            statistics.median(p.server_cpu_us_per_request for p in predict), 1
-        ),
-        "cached_cpu_us_median": round(
-            statistics.median(c.server_cpu_us_per_request for c in cached), 1
-        ),
+        "predict_cpu_us_median": rounded_median(p.server_cpu_us_per_request for p in predict),
+        "cached_cpu_us_median": rounded_median(c.server_cpu_us_per_request for c in cached),
         "median_round": {
             "health": asdict(health[median]),
             "predict": asdict(predict[median]),
@@ -580,11 +576,14 @@ def thread_medians(points: list[dict[str, Any]]) -> dict[str, float]:
     """Each thread's CPU µs a request, the median of the rounds (0 where a round lacks it)."""
     threads = dict.fromkeys(name for point in points for name in point["thread_cpu_us_per_request"])
     return {
-        name: round(
-            statistics.median(p["thread_cpu_us_per_request"].get(name, 0.0) for p in points), 1
-        )
+        name: rounded_median(p["thread_cpu_us_per_request"].get(name, 0.0) for p in points)
         for name in threads
     }
+
+
+def rounded_median(values: Iterable[float], digits: int = 1) -> float:
+    """The median, rounded: with an even number of rounds it is the mean of two."""
+    return round(statistics.median(values), digits)
 
 
 def main() -> None:

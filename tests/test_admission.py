@@ -266,17 +266,17 @@ def test_overload_keeps_the_200s_under_the_target_at_full_throughput(tmp_path: P
         # "Speed and memory on this CPU"); no estimate from past batches can foresee that.
         "TORCH_NUM_THREADS": "1",
     }
-    saturated: list[LoadResult] = []
-    overloads: list[LoadResult] = []
+    saturated_runs: list[LoadResult] = []
+    overload_runs: list[LoadResult] = []
     with run_server(env, tmp_path) as server:
         server.wait_ready()
         for _ in range(LOAD_ROUNDS):
-            saturated.append(
+            saturated_runs.append(
                 run_load(server.url, SATURATING_CLIENTS, LOAD_SECONDS, texts, TEXTS_PER_REQUEST)
             )
             # Refused clients retry at once, ignoring Retry-After (as wrk does): the server
             # must hold its throughput against them too (REFUSAL_DELAY_SECONDS).
-            overloads.append(
+            overload_runs.append(
                 run_load(
                     server.url,
                     OVERLOAD_CLIENTS,
@@ -287,17 +287,17 @@ def test_overload_keeps_the_200s_under_the_target_at_full_throughput(tmp_path: P
                 )
             )
         refused = metric(server.url, "loraserve_admission_refusals_total", model="spam-minilm")
-    saturated_rate = ok_rate(saturated)
-    overload_rate = ok_rate(overloads)
+    saturated_rate = ok_rate(saturated_runs)
+    overload_rate = ok_rate(overload_runs)
     figures = {
-        "saturated": [run.summary() for run in saturated],
-        "overload": [run.summary() for run in overloads],
+        "saturated": [run.summary() for run in saturated_runs],
+        "overload": [run.summary() for run in overload_runs],
         "texts_per_s_saturated": round(saturated_rate * TEXTS_PER_REQUEST, 1),
         "texts_per_s_overload_200s": round(overload_rate * TEXTS_PER_REQUEST, 1),
         "admission_refusals": refused,
     }
     print(json.dumps(figures))
-    for overload in overloads:
+    for overload in overload_runs:
         assert set(overload.statuses) == {200, 429}, figures
         assert overload.missing_retry_after == 0 and overload.transport_errors == 0, figures
         assert overload.percentile_ms(0.99) < P99_LIMIT_SECONDS * 1000, figures
