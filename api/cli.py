@@ -108,19 +108,26 @@ def quiet_libraries() -> None:
     hf_logging.enable_propagation()
 
 
-def build_server(settings: Settings, log_config: dict[str, Any] | None = None) -> Server:
+def build_server(
+    settings: Settings, log_config: dict[str, Any] | None = None, front_end: bool = False
+) -> Server:
     """The configured server with its app; the models load once it runs. `log_config` is
-    the process's logging (api.observability.logs), which uvicorn applies again."""
+    the process's logging (api.observability.logs), which uvicorn applies again. A
+    `front_end` serves the split's HTTP, its models in the process on SPLIT_SOCKET."""
     from api.http.app import create_app
+    from api.http.split.front_end import create_front_end_app
     from api.models.spec import load_models_file
 
-    specs = load_models_file(settings.models_file, settings.adapter_dirs)
     server: Server
 
     def stop_on_fatal(error: BaseException) -> None:
         server.stop_on_fatal(error)
 
-    app = create_app(settings, specs, on_fatal=stop_on_fatal)
+    if front_end:
+        app = create_front_end_app(settings)
+    else:
+        specs = load_models_file(settings.models_file, settings.adapter_dirs)
+        app = create_app(settings, specs, on_fatal=stop_on_fatal)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -152,15 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("serve", help="serve the models over HTTP (the default)")
+    commands.add_parser(
+        "front-end",
+        help="serve HTTP only, the models being served by `loraserve` on SPLIT_SOCKET",
+    )
     add_commands(commands)
     args = parser.parse_args(arguments)
     if args.command in (None, "serve"):
         return serve()
+    if args.command == "front-end":
+        return serve(front_end=True)
     return run_command(args)
 
 
-def serve() -> int:
-    """Serves the models file's models until stopped; the exit status says how it ended."""
+def serve(front_end: bool = False) -> int:
+    """Serves the models file's models (or, as a `front_end`, the HTTP of those served on
+    SPLIT_SOCKET) until stopped; the exit status says how it ended."""
     try:
         settings = load_settings()
     except SettingsError as exc:
@@ -177,9 +191,12 @@ def serve() -> int:
 
     quiet_libraries()
     keep_tokenizers_serial()
+    if front_end and settings.split_socket is None:
+        logger.critical("loraserve front-end: SPLIT_SOCKET is not set: the model side's socket")
+        return EXIT_BAD_SETTINGS
     try:
         tracing.configure()
-        server = build_server(settings, log_config)
+        server = build_server(settings, log_config, front_end)
     except (ModelsFileError, CascadeError, TracingConfigError) as exc:
         logger.critical("loraserve: %s", exc)
         return EXIT_BAD_SETTINGS

@@ -36,6 +36,19 @@ REJECTION_REASON_BY_STATUS = {
     504: "deadline",
 }
 
+# The families each HTTP request fills (api.http.middleware.observe). A front end of the split
+# answers every request, so its own are the true ones; the rest are the model side's.
+REQUEST_FAMILIES = frozenset(
+    f"{PREFIX}_{name}"
+    for name in (
+        "request_duration_seconds",
+        "requests",
+        "requests_over_target",
+        "requests_in_flight",
+        "rejections",
+    )
+)
+
 
 class GpuMemoryCollector(Collector):
     """GPU memory per device from torch; yields nothing where CUDA is absent."""

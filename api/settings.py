@@ -149,6 +149,12 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="When set, every route but health/ready/metrics needs this bearer key."
     )
+    split_socket: Path | None = Field(
+        None,
+        description="A Unix socket for the front-end/model split: `loraserve` (the model "
+        "side) also answers `loraserve front-end` processes on it, and a front end reaches "
+        "the models through it. Put it in a folder only the service's user can open.",
+    )
 
     # --- request limits ---
     max_texts_per_request: int = Field(32, ge=1, description="Most texts one request may carry.")

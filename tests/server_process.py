@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +67,11 @@ class ServerProcess:
 
 
 @contextmanager
-def run_server(env: dict[str, str], log_dir: Path) -> Iterator[ServerProcess]:
-    """Starts `python -m api.cli` with the given settings; always stops it afterwards.
+def run_server(
+    env: dict[str, str], log_dir: Path, command: Sequence[str] = ()
+) -> Iterator[ServerProcess]:
+    """Starts `python -m api.cli` (with `command`, e.g. `front-end`) with the given settings;
+    always stops it afterwards.
 
     A test's own models (MODELS_FILE) are pre-quantized into its folder; the embedded
     default's into the user's model cache, where its GGUF conversion is kept between runs.
@@ -79,7 +82,7 @@ def run_server(env: dict[str, str], log_dir: Path) -> Iterator[ServerProcess]:
     log_path = log_dir / f"server-{port}.log"
     with log_path.open("w", encoding="utf-8") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "api.cli"],
+            [sys.executable, "-m", "api.cli", *command],
             cwd=log_dir,
             env={**full_env, "PYTHONPATH": str(REPO_ROOT)},
             stdout=log,

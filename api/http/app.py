@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from api import __version__
 from api.http.errors import install_error_handlers
@@ -17,6 +17,7 @@ from api.http.middleware.body_limit import BodySizeLimit
 from api.http.middleware.direct import DirectRoutes
 from api.http.routes import ROUTERS
 from api.http.routes.common import OwnBodyRoute
+from api.http.split.model_side import ModelSide
 from api.http.state import Phase, ServiceState
 from api.metrics import Metrics
 from api.models.faults import is_fatal_device_error
@@ -74,12 +75,19 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.cache = ResultCache.from_settings(settings, metrics)
         loading = asyncio.create_task(_load(state, cascade, heap, on_fatal))
+        # The split's front ends call in from the start: refused 503 until the models are in.
+        model_side = None
+        if settings.split_socket is not None:
+            model_side = ModelSide(app, state, settings.split_socket)
+            await model_side.start()
         try:
             yield
         finally:
             if state.phase is not Phase.FAILED:
                 state.phase = Phase.DRAINING
             metrics.ready.set(0)
+            if model_side is not None:
+                await model_side.close()
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             await asyncio.gather(*(r.batcher.stop() for r in state.runners.values()))
@@ -103,9 +111,18 @@ def create_app(
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    install_middleware(app, state, ROUTERS)
+    return app
+
+
+def install_middleware(app: FastAPI, state: ServiceState, routers: Iterable[APIRouter]) -> None:
+    """The layers every request of `app` (the service's, or a front end's) goes through;
+    `routers`: those it includes, whose OwnBodyRoutes are answered without FastAPI's router."""
+    settings = state.settings
     # Added last = runs first. Innermost: the hot routes, answered without FastAPI's router.
+    # (Taken from the routers: the app's own list holds what inclusion wrapped them in.)
     direct = [
-        route for router in ROUTERS for route in router.routes if isinstance(route, OwnBodyRoute)
+        route for router in routers for route in router.routes if isinstance(route, OwnBodyRoute)
     ]
     app.add_middleware(DirectRoutes, routes=direct, handlers=app.exception_handlers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -118,7 +135,6 @@ def create_app(
     # Outermost: every answer carries the request's id, and its metrics, access line and span
     # see every answer, 401s and 413s included.
     app.add_middleware(RequestObserver, state=state)
-    return app
 
 
 async def _load(

@@ -61,6 +61,8 @@ async def handle(request: Request, state: ServiceState, call: Call) -> Done:
     # The one deadline of this request: every stage (the cascade's two included) shares it.
     deadline = time.monotonic() + request_timeout(request, state.settings.request_timeout_seconds)
     check_limits(call.texts, state)
+    if state.model_side is not None:  # a front end of the split: the model side classifies
+        return await answer(request, state.model_side.classify(call, deadline))
     cache = state.cache if call.use_cache else None
     return await classify(
         request, state, call.model, call.adapter, call.texts, call.truncate, cache, deadline
@@ -99,7 +101,7 @@ class Done:
 
 
 async def classify(
-    request: Request,
+    request: Request | None,
     state: ServiceState,
     model: str | None,
     adapter: str | None,
@@ -110,7 +112,8 @@ async def classify(
 ) -> Done:
     """One model (None: the first) or the cascade scores `texts` (limits already checked),
     and the predictions are counted; refusals come out as HTTP errors. Every protocol's
-    classifying route goes through here."""
+    classifying route goes through here, and the split's model side (api.http.split), which
+    has no `request` to watch: its front end watches the client and cancels the call."""
     if model == CASCADE_NAME:
         cascade = pick_cascade(state, adapter)
         labels = cascade.first.served.loaded.labels
@@ -170,10 +173,11 @@ async def single(
     return result, [runner.served.name] * len(texts)
 
 
-async def answer(request: Request, work: Coroutine[Any, Any, Answer]) -> Answer:
-    """Runs the work; the batcher's and tokenizer's refusals become HTTP errors."""
+async def answer(request: Request | None, work: Coroutine[Any, Any, Answer]) -> Answer:
+    """Runs the work (until `request`'s client goes, unless None); the batcher's and
+    tokenizer's refusals become HTTP errors."""
     try:
-        return await until_disconnect(request, work)
+        return await (work if request is None else until_disconnect(request, work))
     except Exception as exc:
         error = service_error(exc)
         if error is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from api.metrics import Metrics
 from api.models.registry import Registry
@@ -11,6 +12,9 @@ from api.serving.cache import ResultCache
 from api.serving.cascade import Cascade
 from api.serving.classify import ModelRunner
 from api.settings import Settings
+
+if TYPE_CHECKING:
+    from api.http.split.front_end import ModelSideLink
 
 # What a client is told to wait while the service is not serving (loading, draining).
 RETRY_AFTER_LOADING_SECONDS = "5"
@@ -36,6 +40,7 @@ class ServiceState:
     runners: dict[str, ModelRunner] = field(default_factory=dict)
     cascade: Cascade | None = None
     in_flight: int = 0  # HTTP requests accepted before any drain began, for the drain
+    model_side: ModelSideLink | None = None  # a front end's link to the models (the split)
 
     @property
     def serving(self) -> bool:
