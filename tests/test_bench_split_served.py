@@ -1,7 +1,7 @@
-"""bench.split_served's prototype split answers as the service in one process does: the real
-server, and the split's two real processes (the front end's lifecycle forwarding `classify`
-over a Unix socket to the model side), asked the same requests, give the same statuses,
-bodies and answer headers: the scores, the cache tiers that answered, the refusals."""
+"""The split as bench.split_served starts it answers as the service in one process does: the
+real server, and the split's two real processes (`loraserve` with SPLIT_SOCKET and
+`loraserve front-end`), asked the same requests, give the same statuses, bodies and answer
+headers: the scores, the cache tiers that answered, the refusals."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.http.split.front_end import without_families
 from api.metrics import REQUEST_FAMILIES
 from tests.load_client import exposition_sum
+from tests.otlp_receiver import ReceivedSpan, run_otlp_receiver
 from tests.server_process import ServerProcess, run_server
 from tests.test_runtime_adapters import (
     ADMIN,
@@ -274,3 +275,35 @@ def test_a_front_end_without_split_socket_refuses_to_start(tmp_path: Path) -> No
     with run_server({}, tmp_path, FRONT_END) as front_end:
         assert front_end.process.wait(timeout=60) == 2
     assert "SPLIT_SOCKET is not set" in front_end.log()
+
+
+def test_a_trace_runs_from_the_front_end_into_the_model_side(tmp_path: Path) -> None:
+    env = {**simulated_split_env(tmp_path, 0.0), "LRU_CACHE_ENTRIES": "0"}
+    with run_otlp_receiver() as receiver:
+        tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+        socket = {"SPLIT_SOCKET": str(tmp_path / "model.sock"), **env, **tracing}
+        with run_server({**socket, "OTEL_SERVICE_NAME": "model-side"}, tmp_path) as model_side:
+            model_side.wait_ready()
+            front = {**socket, "OTEL_SERVICE_NAME": "front-end"}
+            with run_server(front, tmp_path, FRONT_END) as front_end:
+                front_end.wait_ready()
+                body = {"inputs": "a text to trace", "cache": False}
+                assert httpx.post(f"{front_end.url}/predict", json=body).status_code == 200
+                assert httpx.get(f"{front_end.url}/models").status_code == 200
+
+                def arrived(spans: list[ReceivedSpan]) -> bool:
+                    names = {(span.service, span.name) for span in spans}
+                    wanted = {("model-side", "classify"), ("model-side", "GET /models")}
+                    return wanted <= names and ("model-side", "forward") in names
+
+                spans = receiver.wait_for(arrived)
+    by_name = {(span.service, span.name): span for span in spans}
+    predict = by_name[("front-end", "POST /predict")]
+    classify = by_name[("model-side", "classify")]
+    assert (classify.trace_id, classify.parent_span_id) == (predict.trace_id, predict.span_id)
+    # The model side's own stages are in the request's trace, under its classify.
+    tokenize = by_name[("model-side", "tokenize")]
+    assert (tokenize.trace_id, tokenize.parent_span_id) == (predict.trace_id, classify.span_id)
+    forwarded = by_name[("front-end", "GET /models")]
+    answered = by_name[("model-side", "GET /models")]
+    assert (answered.trace_id, answered.parent_span_id) == (forwarded.trace_id, forwarded.span_id)

@@ -101,6 +101,24 @@ def span(name: str) -> AbstractContextManager[Span | None]:
     return tracer.start_as_current_span(name)
 
 
+def outgoing() -> dict[str, str]:
+    """The current trace context as W3C headers (`traceparent`, `tracestate`), for work that
+    another process continues (the split's model side); empty with tracing off."""
+    carrier: dict[str, str] = {}
+    if tracer is not None:
+        propagate.inject(carrier)
+    return carrier
+
+
+def continued(name: str, carrier: Mapping[str, str]) -> AbstractContextManager[Span | None]:
+    """A span continuing the trace `carrier` holds (`outgoing` in another process), current
+    while the block runs; with tracing off, or no trace to continue, the do-nothing block."""
+    if tracer is None or not carrier:
+        return NO_SPAN
+    parent = propagate.extract(carrier)
+    return tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER)
+
+
 def start_request(name: str, headers: Sequence[tuple[bytes, bytes]]) -> tuple[Span, object]:
     """The server span of one HTTP request, made current; it continues the client's trace
     when its headers carry one (W3C `traceparent`). Returns the span and the token that

@@ -37,7 +37,7 @@ from api.http.state import Phase, ServiceState
 from api.metrics import PREFIX, REQUEST_FAMILIES, Metrics
 from api.models.predictor import Scores
 from api.models.registry import Registry
-from api.observability import record
+from api.observability import record, tracing
 from api.observability.record import CURRENT
 from api.observability.request_id import HEADER, new_request_id
 from api.serving.classify import Classified
@@ -54,6 +54,7 @@ HOP_GRACE_SECONDS = 1.0
 # Not passed on: the connection's own (the hop has its own), and the request id, which the
 # front end's record decides and the model side then uses.
 NOT_FORWARDED = frozenset({"host", "connection", "content-length", "transfer-encoding"})
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 FORWARD_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _REQUEST_ID = HEADER.lower()
 
@@ -78,7 +79,12 @@ class ModelSideLink:
         current = CURRENT.get()
         request_id = new_request_id() if current is None else current.request_id
         sent = [request_id, call.model, call.adapter, call.texts, call.truncate, call.use_cache]
-        reply = await self._ask("classify", [*sent, deadline], deadline + HOP_GRACE_SECONDS)
+        # Seconds left, not the deadline itself: the two processes need not share a clock.
+        seconds_left = deadline - time.monotonic()
+        trace = tracing.outgoing()
+        reply = await self._ask(
+            "classify", [*sent, seconds_left, trace], deadline + HOP_GRACE_SECONDS
+        )
         scores, tiers, answered_by, labels, adapter, cascade, cache_tiers = reply
         result = Classified([Scores(tuple(p), tuple(raw)) for p, raw in scores], tiers)
         done = Done(result, answered_by, labels, adapter, cascade, cache_tiers)
@@ -251,8 +257,12 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     async def forward(request: Request) -> Response:
         current = CURRENT.get()
         request_id = new_request_id() if current is None else current.request_id
+        # The model side's span of it continues the front end's trace, not the client's.
+        trace = tracing.outgoing()
+        dropped = NOT_FORWARDED | {_REQUEST_ID} | (TRACE_HEADERS if trace else frozenset())
         headers = [[to_text(k), to_text(v)] for k, v in request.headers.raw]
-        headers = [[k, v] for k, v in headers if k.lower() not in NOT_FORWARDED | {_REQUEST_ID}]
+        headers = [[k, v] for k, v in headers if k.lower() not in dropped]
+        headers += [[k, v] for k, v in trace.items()]
         scope = request.scope
         code, answer_headers, body = await state_of(request).model_side.forward(  # type: ignore[union-attr]
             request.method,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from api.http import lifecycle
 from api.http.errors import ServiceError
 from api.http.split.wire import BrokenMessage, framed, read_message, to_bytes, to_text
 from api.http.state import Phase, ServiceState
+from api.observability import tracing
 from api.observability.record import CURRENT, RequestRecord
 from api.serving.per_turn import PerTurn
 
@@ -100,7 +102,8 @@ class ModelSide:
         task.add_done_callback(lambda _: running.pop(number, None))
 
     async def _classify(self, number: int, call: list[Any], replies: PerTurn[list[Any]]) -> None:
-        request_id, model, adapter, texts, truncate, use_cache, deadline = call
+        request_id, model, adapter, texts, truncate, use_cache, seconds_left, trace = call
+        deadline = time.monotonic() + seconds_left
         # Its log lines carry the front end's id for the request.
         CURRENT.set(RequestRecord(request_id, "POST", CLASSIFY_ROUTE, CLASSIFY_ROUTE))
         state = self.state
@@ -110,9 +113,10 @@ class ModelSide:
         try:
             lifecycle.check_serving(state)
             cache = state.cache if use_cache else None
-            done = await lifecycle.classify(
-                None, state, model, adapter, texts, truncate, cache, deadline
-            )
+            with tracing.continued("classify", trace):
+                done = await lifecycle.classify(
+                    None, state, model, adapter, texts, truncate, cache, deadline
+                )
         except ServiceError as exc:
             replies.add([number, "refused", type(exc).__name__, exc.message, exc.headers])
             return

@@ -2,7 +2,8 @@
 turn of its sender's event loop, so that a turn's requests cross the socket in one write.
 
 Calls (front end to model side):
-    ["classify", number, request_id, model, adapter, texts, truncate, use_cache, deadline]
+    ["classify", number, request_id, model, adapter, texts, truncate, use_cache,
+     seconds_left, trace_context]
     ["forward", number, method, path, query, headers, body]  (the id in X-Request-ID)
     ["cancel", number]
 Replies (model side to front end), by the call's number:
@@ -12,8 +13,8 @@ Replies (model side to front end), by the call's number:
     [number, "forwarded", status, headers, body]
 
 Bytes (a forwarded body) travel as latin-1 text, which maps each byte to one character and
-back. Deadlines are `time.monotonic()` values: the system's CLOCK_MONOTONIC, the same clock in
-every process of one machine (the socket is a local one).
+back. A request's deadline travels as the seconds it has left (the two processes need not
+share a clock), its trace as W3C `traceparent`/`tracestate` (empty with tracing off).
 """
 
 from __future__ import annotations
