@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -23,8 +24,11 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.http.split.front_end import without_families
+from api.http.middleware.direct import DirectRoutes
+from api.http.routes.common import OwnBodyRoute
+from api.http.split.front_end import create_front_end_app, without_families
 from api.metrics import REQUEST_FAMILIES
+from tests.conftest import make_settings
 from tests.load_client import exposition_sum
 from tests.otlp_receiver import ReceivedSpan, run_otlp_receiver
 from tests.server_process import ServerProcess, run_server
@@ -307,3 +311,10 @@ def test_a_trace_runs_from_the_front_end_into_the_model_side(tmp_path: Path) -> 
     forwarded = by_name[("front-end", "GET /models")]
     answered = by_name[("model-side", "GET /models")]
     assert (answered.trace_id, answered.parent_span_id) == (forwarded.trace_id, forwarded.span_id)
+
+
+def test_the_front_end_answers_predict_directly(tmp_path: Path) -> None:
+    app = create_front_end_app(make_settings(split_socket=tmp_path / "model.sock"))
+    (declared,) = [m for m in app.user_middleware if cast(object, m.cls) is DirectRoutes]
+    routes = cast(list[OwnBodyRoute], declared.kwargs["routes"])
+    assert sorted(route.path for route in routes) == ["/", "/predict"]

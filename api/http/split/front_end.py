@@ -51,6 +51,9 @@ RETRY_SOON = {"Retry-After": "1"}
 # A call's answer is awaited this long past its request's deadline, by which the model side
 # answers 504 itself: what is missing then is the model side (stuck, or its socket).
 HOP_GRACE_SECONDS = 1.0
+# A forwarded request's wait: the model side's other routes answer at once, or load an
+# adapter (seconds); past this the model side is taken to be stuck (504).
+FORWARD_TIMEOUT_SECONDS = 60.0
 # Not passed on: the connection's own (the hop has its own), and the request id, which the
 # front end's record decides and the model side then uses.
 NOT_FORWARDED = frozenset({"host", "connection", "content-length", "transfer-encoding"})
@@ -97,8 +100,8 @@ class ModelSideLink:
     ) -> tuple[int, list[list[str]], bytes]:
         """A whole request answered by the model side's app: status, headers, body."""
         sent = [method, path, to_text(query), headers, to_text(body)]
-        timeout = time.monotonic() + 60.0  # the model side's routes answer at once, or fail
-        status_code, answer_headers, answer_body = await self._ask("forward", sent, timeout)
+        give_up_at = time.monotonic() + FORWARD_TIMEOUT_SECONDS
+        status_code, answer_headers, answer_body = await self._ask("forward", sent, give_up_at)
         return status_code, answer_headers, to_bytes(answer_body)
 
     async def close(self) -> None:
@@ -156,7 +159,7 @@ class ModelSideLink:
             self.writer.write(framed(calls))
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        reason = "this front end stopped"
+        reason = None  # cancelled: this front end is stopping
         try:
             while True:
                 for reply in await read_message(reader):
@@ -170,14 +173,17 @@ class ModelSideLink:
         finally:
             self._lost(writer, reason)
 
-    def _lost(self, writer: asyncio.StreamWriter, reason: str) -> None:
-        """Every call waiting on `writer`'s connection answered 503; the next reconnects."""
+    def _lost(self, writer: asyncio.StreamWriter, reason: str | None) -> None:
+        """Every call waiting on `writer`'s connection answered 503; the next reconnects.
+        `reason`: why the connection was lost; None when this front end closed it."""
         if self.writer is writer:
             self.writer = None
         writer.close()
         waiting, self.waiting = self.waiting, {}
-        if waiting:
-            logger.error("%s; %d calls answered 503", reason, len(waiting))
+        if reason is None:
+            reason = "this front end is stopping"
+        else:
+            logger.error("%s; the %d calls waiting answered 503", reason, len(waiting))
         for reply in waiting.values():
             if not reply.done():
                 reply.set_exception(Unavailable(f"{reason}; try again", RETRY_SOON))
