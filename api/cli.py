@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ from api.settings import Settings, SettingsError, load_settings
 # they are imported: imported in the functions, once the process's logging is set up, so
 # those lines come out in LOG_FORMAT too.
 if TYPE_CHECKING:
+    from api.http.split.child import FrontEndProcess
     from api.http.state import ServiceState
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ logger = logging.getLogger(__name__)
 EXIT_BAD_SETTINGS = 2
 EXIT_LOAD_FAILED = 1
 EXIT_DEVICE_FAILED = 3
+EXIT_FRONT_END_FAILED = 4
 
 
 class Server(uvicorn.Server):
@@ -44,9 +48,36 @@ class Server(uvicorn.Server):
     service: ServiceState | None = None
     fatal_error: BaseException | None = None
     drain_seconds: float = 10.0
+    front_end: FrontEndProcess | None = None  # SPLIT_FRONT_END's child, stopped first
     _drain: asyncio.Task[None] | None = None
+    _deferred_signal: int | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        front_end = self.front_end
+        if front_end is not None and not self.should_exit and front_end.exit_code() is None:
+            # The front end drains first: its requests in flight need these models to finish.
+            # This process goes on serving them, and drains once it has gone (on_tick).
+            if front_end.stopping and sig == signal.SIGINT:
+                front_end.kill_now()  # a second Ctrl-C stops without waiting
+            front_end.stop()
+            self._deferred_signal = sig
+            return
+        self._exit_on(sig)
+
+    async def on_tick(self, counter: int) -> bool:
+        front_end = self.front_end
+        if front_end is not None and not self.should_exit and self._drain is None:
+            code = front_end.exit_code()
+            if code is not None and self._deferred_signal is not None:
+                self._exit_on(self._deferred_signal)
+            elif code is not None:
+                from api.http.split.child import FrontEndExited
+
+                self.fatal_error = FrontEndExited(f"the front end exited with {code}")
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    def _exit_on(self, sig: int) -> None:
         if self.should_exit or self._drain is not None:
             if sig == signal.SIGINT:
                 self.force_exit = True  # a second Ctrl-C stops without waiting
@@ -106,14 +137,21 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+    # A line per HTTP request httpx makes: the split's forwards (each has its access line)
+    # and `loraserve score --url`'s chunks.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def build_server(
-    settings: Settings, log_config: dict[str, Any] | None = None, front_end: bool = False
+    settings: Settings,
+    log_config: dict[str, Any] | None = None,
+    front_end: bool = False,
+    uds: Path | None = None,
 ) -> Server:
     """The configured server with its app; the models load once it runs. `log_config` is
     the process's logging (api.observability.logs), which uvicorn applies again. A
-    `front_end` serves the split's HTTP, its models in the process on SPLIT_SOCKET."""
+    `front_end` serves the split's HTTP, its models in the process on SPLIT_SOCKET. `uds`:
+    a Unix socket to serve HTTP on instead of HOST:PORT."""
     from api.http.app import create_app
     from api.http.split.front_end import create_front_end_app
     from api.models.spec import load_models_file
@@ -132,6 +170,7 @@ def build_server(
         app,
         host=settings.host,
         port=settings.port,
+        uds=None if uds is None else str(uds),
         log_level=settings.log_level,
         log_config=log_config,
         lifespan="on",
@@ -194,16 +233,38 @@ def serve(front_end: bool = False) -> int:
     if front_end and settings.split_socket is None:
         logger.critical("loraserve front-end: SPLIT_SOCKET is not set: the model side's socket")
         return EXIT_BAD_SETTINGS
-    try:
-        tracing.configure()
-        server = build_server(settings, log_config, front_end)
-    except (ModelsFileError, CascadeError, TracingConfigError) as exc:
-        logger.critical("loraserve: %s", exc)
-        return EXIT_BAD_SETTINGS
-    try:
-        server.run()
-    finally:
-        tracing.shutdown()  # the spans still buffered go out before the process ends
+    with tempfile.TemporaryDirectory(prefix="loraserve-split-") as folder:
+        child = None
+        uds = None
+        if settings.split_front_end and not front_end:
+            # The split with one command: the models here, HTTP on HOST:PORT in a child; this
+            # process's own HTTP on a socket beside the split's, for the operator alone.
+            from api.http.split.child import FrontEndProcess
+
+            split_socket = settings.split_socket or Path(folder) / "model.sock"
+            settings = settings.model_copy(update={"split_socket": split_socket})
+            uds = Path(folder) / "model-http.sock"
+            child = FrontEndProcess(split_socket, settings.drain_seconds)
+        try:
+            tracing.configure()
+            server = build_server(settings, log_config, front_end, uds)
+        except (ModelsFileError, CascadeError, TracingConfigError) as exc:
+            logger.critical("loraserve: %s", exc)
+            return EXIT_BAD_SETTINGS
+        server.front_end = child
+        try:
+            if child is not None:
+                child.start()
+            server.run()
+        finally:
+            if child is not None:
+                child.close()
+            tracing.shutdown()  # the spans still buffered go out before the process ends
+    from api.http.split.child import FrontEndExited
+
+    if isinstance(server.fatal_error, FrontEndExited):
+        logger.critical("loraserve: stopped: %s", server.fatal_error)
+        return EXIT_FRONT_END_FAILED
     if isinstance(server.fatal_error, DeviceFailed):
         logger.critical("loraserve: stopped by a fatal device error: %s", server.fatal_error)
         return EXIT_DEVICE_FAILED

@@ -155,6 +155,12 @@ class Settings(BaseSettings):
         "side) also answers `loraserve front-end` processes on it, and a front end reaches "
         "the models through it. Put it in a folder only the service's user can open.",
     )
+    split_front_end: bool = Field(
+        False,
+        description="The split with one command: `loraserve` serves the models and starts "
+        "`loraserve front-end` on HOST:PORT as a child process (on SPLIT_SOCKET, or a socket "
+        "of its own), stops it first on SIGTERM, and stops (exit 4) if it dies.",
+    )
 
     # --- request limits ---
     max_texts_per_request: int = Field(32, ge=1, description="Most texts one request may carry.")

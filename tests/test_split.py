@@ -9,6 +9,7 @@ that dies answers 503 at once, and a new one on the same socket is picked up."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -318,3 +319,36 @@ def test_the_front_end_answers_predict_directly(tmp_path: Path) -> None:
     (declared,) = [m for m in app.user_middleware if cast(object, m.cls) is DirectRoutes]
     routes = cast(list[OwnBodyRoute], declared.kwargs["routes"])
     assert sorted(route.path for route in routes) == ["/", "/predict"]
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_one_command_runs_the_split_and_drains_the_front_end_first(tmp_path: Path) -> None:
+    env = {**simulated_split_env(tmp_path, 1.0), "SPLIT_FRONT_END": "true"}
+    with run_server(env, tmp_path) as service:
+        service.wait_ready()
+        (child,) = children_of(service.process.pid)
+        assert "front-end" in Path(f"/proc/{child}/cmdline").read_text()
+        url = f"{service.url}/predict"
+        metrics = httpx.get(f"{service.url}/metrics", timeout=10).text
+        assert exposition_sum(metrics, "loraserve_front_end_process_cpu_seconds_total") > 0
+        assert exposition_sum(metrics, "loraserve_ready") == 1  # the model side's
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            in_flight = pool.submit(httpx.post, url, json={"inputs": "in flight"}, timeout=30)
+            time.sleep(0.3)  # its batch runs for a second
+            assert service.stop(timeout=60) == 0
+            answered = in_flight.result()
+        assert answered.status_code == 200 and answered.headers["x-model"] == "sim"
+        assert not Path(f"/proc/{child}").exists()
+
+
+def test_one_command_stops_when_its_front_end_dies(tmp_path: Path) -> None:
+    env = {**simulated_split_env(tmp_path, 0.0), "SPLIT_FRONT_END": "true"}
+    with run_server(env, tmp_path) as service:
+        service.wait_ready()
+        (child,) = children_of(service.process.pid)
+        os.kill(child, signal.SIGKILL)
+        assert service.process.wait(timeout=60) == 4
+    assert "the front end exited with -9" in service.log()
