@@ -43,6 +43,8 @@ class Server(uvicorn.Server):
     accepted finish (at most DRAIN_SECONDS); only then does uvicorn close its sockets. Plain
     uvicorn stops accepting at once and re-raises the signal, so the process ends with 143.
     A fatal device error drains the same way, then the process exits with EXIT_DEVICE_FAILED.
+    With SPLIT_FRONT_END its front end is signalled first and this process drains once it
+    has gone; a front end that dies on its own stops it with EXIT_FRONT_END_FAILED.
     """
 
     service: ServiceState | None = None
