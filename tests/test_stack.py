@@ -329,8 +329,9 @@ def keep_sending(url: str, worker: int, done: threading.Event, sent: list[Sent])
                 time.sleep(0.05)  # refused or gone: do not spin
 
 
-def test_stop_under_traffic_answers_every_accepted_request_and_exits_0(stack: Stack) -> None:
-    container = stack.api_container()
+def stop_under_traffic(stack: Stack, timing: str) -> tuple[list[Sent], float]:
+    """`docker compose stop api` while four clients keep sending: what they sent, and when
+    the stop began; the stop's time in the timings under `timing`."""
     sent: list[Sent] = []
     done = threading.Event()
     clients = [
@@ -343,12 +344,17 @@ def test_stop_under_traffic_answers_every_accepted_request_and_exits_0(stack: St
         time.sleep(3)
         stopping = time.monotonic()
         stack.compose("stop", "api", timeout=120)
-        stack.timings["docker compose stop under traffic (drain)"] = time.monotonic() - stopping
+        stack.timings[timing] = time.monotonic() - stopping
     finally:
         done.set()
         for client in clients:
             client.join(timeout=90)
+    return sent, stopping
 
+
+def test_stop_under_traffic_answers_every_accepted_request_and_exits_0(stack: Stack) -> None:
+    container = stack.api_container()
+    sent, stopping = stop_under_traffic(stack, "docker compose stop under traffic (drain)")
     state = stack.state(container)
     assert state["Status"] == "exited" and not state["OOMKilled"], state
     assert state["ExitCode"] == 0, (state, stack.logs(container)[-4000:])
@@ -383,3 +389,27 @@ def test_up_again_reuses_the_volumes(stack: Stack) -> None:
     assert stack.remembered["cache"] == "lru=0,disk=0,model=1"
     assert again.headers["X-Cache"] == "lru=0,disk=1,model=0"  # the disk cache's volume
     assert again.json() == stack.remembered["scores"]
+
+
+def test_the_split_from_env_answers_alike_and_stops_with_every_request_answered(
+    stack: Stack,
+) -> None:
+    """SPLIT_FRONT_END=true in .env: the same container serves through a front end of its
+    own, answers as one process does, and drains the front end first under traffic."""
+    alone = stack.predict({"inputs": SPAM, "cache": False}).json()
+    env_file = stack.project_dir / ".env"
+    env_file.write_text(SERVICE_ENV + "SPLIT_FRONT_END=true\n", encoding="utf-8")
+    try:
+        stack.timings["start to healthy, the split (SPLIT_FRONT_END=true)"] = stack.up()
+        container = stack.api_container()
+        assert "front end started" in stack.logs(container)
+        assert stack.predict({"inputs": SPAM, "cache": False}).json() == alone
+        metrics = httpx.get(f"{stack.api_url}/metrics", timeout=30).text
+        assert "loraserve_front_end_process_cpu_seconds_total" in metrics
+        sent, stopping = stop_under_traffic(stack, "the same, the split (both drains)")
+    finally:
+        env_file.write_text(SERVICE_ENV, encoding="utf-8")
+    state = stack.state(container)
+    assert state["ExitCode"] == 0, (state, stack.logs(container)[-4000:])
+    before = [s for s in sent if s.started < stopping]
+    assert before and {s.status for s in before} == {200}, before
