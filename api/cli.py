@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -235,7 +236,7 @@ def serve(front_end: bool = False) -> int:
     if front_end and settings.split_socket is None:
         logger.critical("loraserve front-end: SPLIT_SOCKET is not set: the model side's socket")
         return EXIT_BAD_SETTINGS
-    with tempfile.TemporaryDirectory(prefix="loraserve-split-") as folder:
+    with contextlib.ExitStack() as cleanup:
         child = None
         uds = None
         if settings.split_front_end and not front_end:
@@ -243,6 +244,7 @@ def serve(front_end: bool = False) -> int:
             # process's own HTTP on a socket beside the split's, for the operator alone.
             from api.http.split.child import FrontEndProcess
 
+            folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="loraserve-split-"))
             split_socket = settings.split_socket or Path(folder) / "model.sock"
             settings = settings.model_copy(update={"split_socket": split_socket})
             uds = Path(folder) / "model-http.sock"

@@ -42,6 +42,7 @@ from tests.test_runtime_adapters import (
     reference,
     runtime_adapters,
 )
+from tests.test_simulated import simulated_entry
 from tests.tiny_models import LABELS, TinyModel, build_adapter, tiny_models_file, write_models_file
 
 FRONT_END = ("front-end",)
@@ -210,12 +211,8 @@ def test_without_families_drops_whole_families_in_both_formats() -> None:
 
 
 def simulated_split_env(folder: Path, seconds_per_batch: float) -> dict[str, str]:
-    entry = {
-        "name": "sim",
-        "simulated": {"seconds_per_batch": seconds_per_batch, "seconds_per_token": 0.0},
-        "labels": ["ham", "spam"],
-        "max_length": 128,
-    }
+    cost = {"seconds_per_batch": seconds_per_batch, "seconds_per_token": 0.0}
+    entry = simulated_entry(simulated=cost)
     return {
         "MODELS_FILE": str(write_models_file(folder / "models.yaml", [entry])),
         "DISK_CACHE_DIR": str(folder / "cache"),

@@ -39,8 +39,22 @@ class ServiceState:
     error: str | None = None
     runners: dict[str, ModelRunner] = field(default_factory=dict)
     cascade: Cascade | None = None
-    in_flight: int = 0  # HTTP requests accepted before any drain began, for the drain
+    in_flight: int = 0  # requests (and the split's calls) accepted before any drain began
     model_side: ModelSideLink | None = None  # a front end's link to the models (the split)
+
+    def hold_drain(self) -> bool:
+        """Counts work the drain is to wait for; False (not counted) once the service has
+        stopped taking work: such work is refused at once, and counted, a steady stream of
+        it (clients retrying) would hold the drain open until DRAIN_SECONDS ran out."""
+        holds = self.phase not in (Phase.DRAINING, Phase.FAILED)
+        if holds:
+            self.in_flight += 1
+        return holds
+
+    def release_drain(self, held: bool) -> None:
+        """The work `hold_drain` counted (`held`) is done."""
+        if held:
+            self.in_flight -= 1
 
     @property
     def serving(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.http.state import Phase, ServiceState
+from api.http.state import ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
@@ -57,24 +57,17 @@ class RequestMetrics:
         self.target_seconds = state.settings.latency_target_seconds
 
     def began(self) -> bool:
-        """Counts a request in flight; True when the drain is to wait for it.
-
-        The drain waits for the requests accepted before it began. One that arrives once the
-        service stopped taking work is refused at once; counted, a steady stream of them
-        (clients retrying) would hold the drain open until DRAIN_SECONDS ran out."""
-        holds_drain = self.state.phase not in (Phase.DRAINING, Phase.FAILED)
+        """Counts a request in flight; True when the drain is to wait for it (it waits for
+        the requests accepted before it began: ServiceState.hold_drain)."""
         self.metrics.requests_in_flight.inc()
-        if holds_drain:
-            self.state.in_flight += 1
-        return holds_drain
+        return self.state.hold_drain()
 
     def ended(
         self, route: str, status: int, seconds: float, holds_drain: bool, trace_id: str | None
     ) -> None:
         """Counts a finished request (`began` said whether the drain waited for it)."""
         self.metrics.requests_in_flight.dec()
-        if holds_drain:
-            self.state.in_flight -= 1
+        self.state.release_drain(holds_drain)
         metrics, code = self.metrics, str(status)
         duration = metrics.labelled(metrics.request_duration_seconds, route, code)
         # A sampled trace's id as the exemplar: a slow bucket leads to a slow request.

@@ -79,9 +79,7 @@ class ModelSideLink:
 
     async def classify(self, call: Call, deadline: float) -> Done:
         """`call` scored by the model side, by `deadline` (its refusals raised as here)."""
-        current = CURRENT.get()
-        request_id = new_request_id() if current is None else current.request_id
-        sent = [request_id, call.model, call.adapter, call.texts, call.truncate, call.use_cache]
+        sent = [_request_id(), call.model, call.adapter, call.texts, call.truncate, call.use_cache]
         # Seconds left, not the deadline itself: the two processes need not share a clock.
         seconds_left = deadline - time.monotonic()
         trace = tracing.outgoing()
@@ -189,6 +187,12 @@ class ModelSideLink:
                 reply.set_exception(Unavailable(f"{reason}; try again", RETRY_SOON))
 
 
+def _request_id() -> str:
+    """The current request's id (its record's), which the model side logs it under."""
+    current = CURRENT.get()
+    return new_request_id() if current is None else current.request_id
+
+
 def _refusal(name: str, message: str, headers: dict[str, str]) -> ServiceError:
     """The model side's refusal as the error it is there (ServiceError for a name not known)."""
     kind = getattr(errors, name, None)
@@ -261,8 +265,6 @@ def create_front_end_app(settings: Settings) -> FastAPI:
         return Response(merged, headers={"Content-Type": content_type})
 
     async def forward(request: Request) -> Response:
-        current = CURRENT.get()
-        request_id = new_request_id() if current is None else current.request_id
         # The model side's span of it continues the front end's trace, not the client's.
         trace = tracing.outgoing()
         dropped = NOT_FORWARDED | {_REQUEST_ID} | (TRACE_HEADERS if trace else frozenset())
@@ -274,7 +276,7 @@ def create_front_end_app(settings: Settings) -> FastAPI:
             request.method,
             scope["path"],
             scope["query_string"],
-            [*headers, [_REQUEST_ID, request_id]],
+            [*headers, [_REQUEST_ID, _request_id()]],
             await request.body(),
         )
         response = Response(body, code)

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp
 from api.http import lifecycle
 from api.http.errors import ServiceError
 from api.http.split.wire import BrokenMessage, framed, read_message, to_bytes, to_text
-from api.http.state import Phase, ServiceState
+from api.http.state import ServiceState
 from api.observability import tracing
 from api.observability.record import CURRENT, RequestRecord
 from api.serving.per_turn import PerTurn
@@ -107,9 +107,7 @@ class ModelSide:
         # Its log lines carry the front end's id for the request.
         CURRENT.set(RequestRecord(request_id, "POST", CLASSIFY_ROUTE, CLASSIFY_ROUTE))
         state = self.state
-        holds_drain = state.phase not in (Phase.DRAINING, Phase.FAILED)
-        if holds_drain:  # a drain waits for the calls accepted before it, as for requests
-            state.in_flight += 1
+        holds_drain = state.hold_drain()  # as for requests: the drain waits for the call
         try:
             lifecycle.check_serving(state)
             cache = state.cache if use_cache else None
@@ -125,8 +123,7 @@ class ModelSide:
             replies.add([number, "failed", f"{type(exc).__name__}: {exc}"])
             return
         finally:
-            if holds_drain:
-                state.in_flight -= 1
+            state.release_drain(holds_drain)
         result = done.result
         scores = [[s.probabilities, s.logits] for s in result.scores]
         answered = [number, "done", scores, result.tiers, done.answered_by, done.labels]
