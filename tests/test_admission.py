@@ -80,6 +80,53 @@ def expected_seconds(admission: Admission, backlog: Backlog) -> float:
     return refused.value.expected_seconds
 
 
+def test_the_fit_starts_from_forwards_timed_at_load() -> None:
+    """Predictor.probe_batches' (tokens, seconds) start the fit before any batch is served,
+    and it finds the cost they came from: a per-batch and a per-token part, or per-batch
+    only (a simulated device declared so, or a GPU where small batches cost the same)."""
+    per_batch, per_token = 0.004, 2e-5
+    shaped = CostEstimate()
+    shaped.start_from([(tokens, per_batch + per_token * tokens) for tokens in (32, 256, 1024)])
+    fit = shaped.fit()
+    assert fit is not None
+    assert fit.per_batch == pytest.approx(per_batch)
+    assert fit.per_token == pytest.approx(per_token)
+    flat = CostEstimate()
+    flat.start_from([(32, 0.3), (64, 0.3), (32, 0.3), (64, 0.3)])
+    flat_fit = flat.fit()
+    assert flat_fit is not None
+    assert flat_fit.per_batch == pytest.approx(0.3)
+    assert flat_fit.per_token == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_burst_the_moment_it_is_ready_is_admitted_on_forwards_timed_at_load(
+    tmp_path: Path,
+) -> None:
+    """A replica gets its share of the traffic the moment /ready says yes. Sixteen clients
+    then, before any batch is served, are judged on what the load timed (the embedded model,
+    a few ms a batch against a 2 s target) and all answered, none refused as unmeasured."""
+    env = {
+        "MODELS_FILE": str(embedded_encoder_file(tmp_path)),
+        "LRU_CACHE_ENTRIES": "0",
+        "DISK_CACHE_MAX_BYTES": "0",
+    }
+    texts = sms_texts()[:16]
+    with run_server(env, tmp_path) as server:
+        server.wait_ready()
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                calls = [client.post("/predict", json={"inputs": [text]}) for text in texts]
+                return list(await asyncio.gather(*calls))
+
+        responses = asyncio.run(burst())
+        assert [r.status_code for r in responses] == [200] * len(texts), [
+            r.text for r in responses if r.status_code != 200
+        ]
+        refused = metric(server.url, "loraserve_admission_refusals_total", model="spam-minilm")
+        assert refused == 0
+
+
 def test_admission_refuses_what_would_finish_late_and_says_when_to_retry() -> None:
     admission = unscaled(target_seconds=0.5)
     # Unmeasured: a request is queued only with nothing waiting ahead of it.

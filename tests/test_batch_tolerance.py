@@ -33,7 +33,7 @@ TEXTS = [
     "urgent your account has been selected for a cash reward reply yes",
     "see you at six",
 ]
-# The row lengths of the load's probe (Predictor.batch_variance): on the tiny Llama these
+# The row lengths of the load's probe (Predictor.probe_batches): on the tiny Llama these
 # round apart batched, where its word-level texts do not.
 LENGTHS = (5, 2, 9, 5, 1, 7, 3, 12)
 # Each text sent this many times at once: batches of many mixes, some of which round apart.
@@ -57,7 +57,7 @@ def test_scoring_alone_gives_each_text_its_lone_logits_to_the_bit(tiny_llama: Ti
     alone = [logits(predictor.forward([row], ["spam"]))[0] for row in rows]
     # Batched, this model's logits are not its lone ones: without that, nothing is shown.
     assert logits(predictor.forward(rows, adapters)) != alone
-    assert predictor.batch_variance() > 0
+    assert predictor.probe_batches().variance > 0
 
     predictor.scores_alone = True
     assert logits(predictor.forward(rows, adapters)) == alone

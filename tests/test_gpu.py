@@ -88,7 +88,7 @@ def test_on_the_gpu_a_text_scored_alone_keeps_its_lone_logits_in_any_batch(
 
     alone = [logits([row], [name])[0] for row, name in zip(rows, adapters, strict=True)]
     # Batched, the logits on this device are not the lone ones: without that, nothing is shown.
-    assert predictor.batch_variance() > 0
+    assert predictor.probe_batches().variance > 0
     assert logits(rows, adapters) != alone
 
     predictor.scores_alone = True

@@ -76,9 +76,6 @@ def tiny_split(
         "ADMIN_API_KEY": ADMIN_KEY,
         "ADAPTER_ROOTS": str(folder),
         "LOG_FORMAT": "json",
-        # Eight clients at once on a model no batch has measured yet: admission would refuse
-        # some (as in one process), and these tests are about what the split answers.
-        "ADMISSION_CONTROL": "false",
     }
     with split(folder, env) as pair:
         yield pair

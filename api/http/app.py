@@ -206,6 +206,7 @@ def _start_runners(state: ServiceState, on_device_failed: Callable[[str], None])
             on_refuse=refused.inc,
             enabled=state.settings.admission_control,
         )
+        admission.cost.start_from(served.probe_costs)
         batcher = _batcher(state, served, executor, slot, admission, on_device_failed)
         adapters = AdapterSet(
             served,

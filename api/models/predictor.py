@@ -72,6 +72,26 @@ def decision_offset(threshold: float | None) -> float:
     return math.log(threshold / (1.0 - threshold))
 
 
+# The probe batch's row lengths (see Predictor.probe_batches), each at most the model's max.
+PROBE_LENGTHS = (5, 2, 9, 5, 1, 7, 3, 12)
+
+
+def probe_lengths(max_length: int) -> list[int]:
+    return [min(n, max_length) for n in PROBE_LENGTHS]
+
+
+@dataclass(frozen=True)
+class BatchProbe:
+    """What `probe_batches` found: the largest logit difference of a probe text alone and
+    inside a batch of texts of other lengths (0 where answers do not depend on batch-mates),
+    and the (tokens, seconds) of its forwards, where admission's cost fit starts
+    (api.serving.admission), so that a burst right after `/ready` is judged on what batches
+    cost here rather than refused as unmeasured."""
+
+    variance: float
+    costs: tuple[tuple[int, float], ...]
+
+
 class Predictor:
     """Runs one loaded model. Not thread-safe: one batch at a time per model."""
 
@@ -94,7 +114,7 @@ class Predictor:
         self._packed: PackedRunner | None = None
         self._graphs: CudaGraphs | None = None
         # Set by the registry where BATCH_LOGIT_TOLERANCE finds this model's batches move a
-        # text's logits: each text then runs as a batch of one, as `batch_variance` runs it.
+        # text's logits: each text then runs as a batch of one, as `probe_batches` runs it.
         self.scores_alone = False
 
     @property
@@ -260,15 +280,28 @@ class Predictor:
             for p, raw, ok in zip(probabilities.tolist(), logits.tolist(), finite, strict=True)
         ]
 
-    def batch_variance(self) -> float:
-        """The largest logit difference of a probe text alone and inside a batch of texts of
-        other lengths: 0 where answers do not depend on batch-mates. Run it on the thread
-        that serves, after the warm-up."""
-        probe = self._probe([min(n, self.max_length) for n in (5, 2, 9, 5, 1, 7, 3, 12)])
+    def probe_batches(self) -> BatchProbe:
+        """A batch of probe texts of different lengths, then each of them alone, timed. Run it
+        on the thread that serves, after the warm-up."""
+        probe = self._probe(probe_lengths(self.max_length))
         adapters = [self._default_adapter] * len(probe)
+        started = time.perf_counter()
         together = self._logits(probe, adapters).float()
-        alone = torch.cat([self._logits([row], adapters[:1]).float() for row in probe])
-        return float((together - alone).abs().max().item())
+        costs = [(self._batch_tokens(probe), time.perf_counter() - started)]
+        alone = []
+        for row in probe:
+            started = time.perf_counter()
+            alone.append(self._logits([row], adapters[:1]).float())
+            costs.append((len(row), time.perf_counter() - started))
+        variance = float((together - torch.cat(alone)).abs().max().item())
+        return BatchProbe(variance, tuple(costs))
+
+    def _batch_tokens(self, batch: list[list[int]]) -> int:
+        """The batch's tokens as the batcher counts them: real ones if packed, else padded
+        to its longest row."""
+        if self.packs_batches:
+            return sum(map(len, batch))
+        return len(batch) * max(map(len, batch), default=0)
 
     def release_memory(self) -> None:
         """After an out-of-memory batch and before its halves run: frees what the failed

@@ -67,6 +67,8 @@ class ServedModel:
     batch_variance: float | None = None
     # Adapters loaded at run time, by name (api.serving.adapters keeps it current).
     runtime_adapters: frozenset[str] = frozenset()
+    # (tokens, seconds) of the probe's forwards at load: where admission's cost fit starts.
+    probe_costs: tuple[tuple[int, float], ...] = ()
 
     @property
     def name(self) -> str:
@@ -196,7 +198,8 @@ class Registry:
                     limits = self.settings.max_batch_size, batch_tokens
                     device.submit(predictor.warm_up, *limits).result()
             with timed(loaded.phases, "warmup"):
-                variance = device.submit(predictor.batch_variance).result()
+                probe = device.submit(predictor.probe_batches).result()
+            variance = probe.variance
             tolerance = self.settings.batch_logit_tolerance
             if tolerance is not None and variance > tolerance:
                 predictor.scores_alone = True  # before it serves: no batch runs yet
@@ -211,7 +214,9 @@ class Registry:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
         overhead = self.settings.batch_overhead_tokens
-        served = ServedModel(loaded, predictor, overhead, batch_tokens, variance)
+        served = ServedModel(
+            loaded, predictor, overhead, batch_tokens, variance, probe_costs=probe.costs
+        )
         with self._lock:
             self.models[spec.name] = served
         progress.state, progress.finished = "ready", time.perf_counter()

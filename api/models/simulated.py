@@ -23,7 +23,7 @@ import torch
 
 from api.models.checkpoint import folder_fingerprint
 from api.models.loader import PHASES, LoadedModel, LoadError, read_tokenizer, timed
-from api.models.predictor import Predictor
+from api.models.predictor import BatchProbe, Predictor, probe_lengths
 from api.models.spec import ModelSpec, SimulatedDevice
 
 # No tensor of a simulated model lives anywhere: the meta device says so, and gives it a
@@ -114,12 +114,15 @@ class SimulatedPredictor(Predictor):
             return None
         return self.device.seconds_per_batch / self.device.seconds_per_token
 
-    def batch_variance(self) -> float:
-        """Measured as for a real model, on the scores without the sleeps."""
-        probe = self._probe([min(n, self.max_length) for n in (5, 2, 9, 5, 1, 7, 3, 12)])
+    def probe_batches(self) -> BatchProbe:
+        """The variance measured as for a real model, on the scores without the sleeps; the
+        costs the declared ones, not slept through."""
+        probe = self._probe(probe_lengths(self.max_length))
         together = self._scores(probe)
         alone = torch.cat([self._scores([row]) for row in probe])
-        return float((together - alone).abs().max().item())
+        costs = [(len(probe) * max(map(len, probe)), batch_seconds(self.device, probe))]
+        costs += [(len(row), batch_seconds(self.device, [row])) for row in probe]
+        return BatchProbe(float((together - alone).abs().max().item()), tuple(costs))
 
     def _logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
         time.sleep(batch_seconds(self.device, batch))

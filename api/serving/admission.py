@@ -4,7 +4,7 @@ and the latency target, judged from the model's measured cost and what is queued
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from api.serving.batch_plan import Work
@@ -73,6 +73,12 @@ class CostEstimate:
         self._tokens_seconds = DECAY * self._tokens_seconds + tokens * seconds
         self.batches += 1
 
+    def start_from(self, samples: Iterable[tuple[int, float]]) -> None:
+        """Adds forwards timed at load (Predictor.probe_batches) as batches: the fit starts
+        from them, and the batches served soon outweigh them."""
+        for tokens, seconds in samples:
+            self.observe(tokens, seconds)
+
     def fit(self) -> Fit | None:
         """The fitted cost, or None before MIN_BATCHES batches."""
         if self.batches < MIN_BATCHES or self._tokens <= 0:
@@ -82,8 +88,10 @@ class CostEstimate:
         variance = self._tokens_squared / self._weight - mean_tokens**2
         if variance > 1e-9 * mean_tokens**2:
             slope = (self._tokens_seconds / self._weight - mean_tokens * mean_seconds) / variance
+            if abs(slope) * mean_tokens <= 1e-9 * mean_seconds:
+                slope = 0.0  # a cost per batch alone, but for rounding
             intercept = mean_seconds - slope * mean_tokens
-            if slope > 0 and intercept >= 0:
+            if slope >= 0 and intercept >= 0:
                 return Fit(slope, intercept)
         # One batch size seen (or a fit that makes no sense): all of it per token.
         return Fit(mean_seconds / mean_tokens, 0.0)
@@ -132,8 +140,9 @@ class Admission:
         limit = HEADROOM * min(seconds_left, self.target_seconds)
         fit = self.cost.fit()
         if fit is None:
-            # Nothing measured yet (the first batches after start): one request at a time
-            # may wait, so that a burst at start cannot queue more than it can judge.
+            # Nothing measured (no batch served, and none of the load's probe forwards,
+            # which start the fit: `start_from`): one request at a time may wait, so that a
+            # burst cannot queue more than it can judge.
             if backlog.ahead.batches == 0:
                 return None
             self._refused()
