@@ -120,7 +120,7 @@ class SimulatedPredictor(Predictor):
         probe = self._probe(probe_lengths(self.max_length))
         together = self._scores(probe)
         alone = torch.cat([self._scores([row]) for row in probe])
-        costs = [(len(probe) * max(map(len, probe)), batch_seconds(self.device, probe))]
+        costs = [(self._batch_tokens(probe), batch_seconds(self.device, probe))]
         costs += [(len(row), batch_seconds(self.device, [row])) for row in probe]
         return BatchProbe(float((together - alone).abs().max().item()), tuple(costs))
 
