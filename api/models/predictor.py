@@ -80,6 +80,14 @@ def probe_lengths(max_length: int) -> list[int]:
     return [min(n, max_length) for n in PROBE_LENGTHS]
 
 
+def batch_tokens(batch: list[list[int]], packed: bool) -> int:
+    """The batch's tokens as the batcher counts them: the real ones if packed, else rows ×
+    its longest row."""
+    if packed:
+        return sum(map(len, batch))
+    return len(batch) * max(map(len, batch), default=0)
+
+
 @dataclass(frozen=True)
 class BatchProbe:
     """What `probe_batches` found: the largest logit difference of a probe text alone and
@@ -287,7 +295,7 @@ class Predictor:
         adapters = [self._default_adapter] * len(probe)
         started = time.perf_counter()
         together = self._logits(probe, adapters).float()
-        costs = [(self._batch_tokens(probe), time.perf_counter() - started)]
+        costs = [(batch_tokens(probe, self.packs_batches), time.perf_counter() - started)]
         alone = []
         for row in probe:
             started = time.perf_counter()
@@ -295,13 +303,6 @@ class Predictor:
             costs.append((len(row), time.perf_counter() - started))
         variance = float((together - torch.cat(alone)).abs().max().item())
         return BatchProbe(variance, tuple(costs))
-
-    def _batch_tokens(self, batch: list[list[int]]) -> int:
-        """The batch's tokens as the batcher counts them: real ones if packed, else padded
-        to its longest row."""
-        if self.packs_batches:
-            return sum(map(len, batch))
-        return len(batch) * max(map(len, batch), default=0)
 
     def release_memory(self) -> None:
         """After an out-of-memory batch and before its halves run: frees what the failed

@@ -23,7 +23,7 @@ import torch
 
 from api.models.checkpoint import folder_fingerprint
 from api.models.loader import PHASES, LoadedModel, LoadError, read_tokenizer, timed
-from api.models.predictor import BatchProbe, Predictor, probe_lengths
+from api.models.predictor import BatchProbe, Predictor, batch_tokens, probe_lengths
 from api.models.spec import ModelSpec, SimulatedDevice
 
 # No tensor of a simulated model lives anywhere: the meta device says so, and gives it a
@@ -88,8 +88,7 @@ def hashed_logits(ids: list[int], labels: int) -> list[float]:
 
 def batch_seconds(device: SimulatedDevice, batch: list[list[int]]) -> float:
     """What the declared device takes for `batch`: padded, as the batcher counts its tokens."""
-    tokens = len(batch) * max(map(len, batch), default=0)
-    return device.seconds_per_batch + device.seconds_per_token * tokens
+    return device.seconds_per_batch + device.seconds_per_token * batch_tokens(batch, packed=False)
 
 
 class SimulatedPredictor(Predictor):
@@ -120,7 +119,7 @@ class SimulatedPredictor(Predictor):
         probe = self._probe(probe_lengths(self.max_length))
         together = self._scores(probe)
         alone = torch.cat([self._scores([row]) for row in probe])
-        costs = [(self._batch_tokens(probe), batch_seconds(self.device, probe))]
+        costs = [(batch_tokens(probe, packed=False), batch_seconds(self.device, probe))]
         costs += [(len(row), batch_seconds(self.device, [row])) for row in probe]
         return BatchProbe(float((together - alone).abs().max().item()), tuple(costs))
 
