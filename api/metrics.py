@@ -187,6 +187,13 @@ class Metrics:
             ["tier", "reason"],
             registry=r,
         )
+        self.cache_not_admitted = Counter(
+            f"{p}_cache_not_admitted",
+            "Answers a tier did not write: under DISK_CACHE_ADMISSION=repeated, the disk "
+            "tier's of texts this process had not stored before",
+            ["tier"],
+            registry=r,
+        )
         self.cache_entries = Gauge(f"{p}_cache_entries", "Entries held", ["tier"], registry=r)
         self.cache_bytes = Gauge(f"{p}_cache_bytes", "Bytes held on disk", ["tier"], registry=r)
         self.cache_tier_up = Gauge(

@@ -227,6 +227,12 @@ class Settings(BaseSettings):
     disk_cache_ttl_seconds: float | None = Field(
         None, gt=0, description="Disk entries expire after this long; unset keeps them."
     )
+    disk_cache_admission: Literal["every", "repeated"] = Field(
+        "every",
+        description="Which answers the disk tier writes: every one, or `repeated`: a text's "
+        "from the second time this process stores it (one-off texts never written, for far "
+        "fewer disk writes when most texts come once; a restart forgets what was seen once).",
+    )
 
     # --- shared cache tier (Redis), after the LRU and the disk ---
     redis_url: str | None = Field(

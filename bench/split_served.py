@@ -15,10 +15,12 @@ settings (bench/frontend.py):
   lifecycle up to `classify`, which the model side does).
 
 Each layout runs with the disk tier on (the default) and off (`DISK_CACHE_MAX_BYTES=0` for
-the process that serves the model), four in all, in an order that rotates each round. In
-each: `/health`, then fresh one-text `/predict` (texts never sent before), 64 wrk
-connections; the ratio of the two rates, `/predict`'s p99, and the CPU a request of the
-front end (or of the one process) and of the model side, from /proc.
+the process that serves the model), and the split also with the disk tier writing repeated
+texts alone (`DISK_CACHE_ADMISSION=repeated`), five in all, in an order that rotates each
+round. In each: `/health`, then fresh one-text `/predict` (texts never sent before), 64 wrk
+connections; the ratio of the two rates, `/predict`'s p99, the CPU a request of the front end
+(or of the one process) and of the model side, and the bytes the process that serves the
+model wrote to storage a request, from /proc.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ REPO = Path(__file__).resolve().parents[1]
 LOAD_WAIT_SECONDS = 900
 FRONT_END = ("api.cli", "front-end")
 DISK_TIER_OFF = {"DISK_CACHE_MAX_BYTES": "0"}
+REPEATED_TEXTS = {"DISK_CACHE_ADMISSION": "repeated"}
 # Each layout: split or not, and the settings of the process that serves the model.
 LAYOUTS: dict[str, tuple[bool, dict[str, str]]] = {
     "one process": (False, {}),
     "split": (True, {}),
     "one process, disk tier off": (False, DISK_TIER_OFF),
     "split, disk tier off": (True, DISK_TIER_OFF),
+    "split, disk tier writes repeated texts": (True, REPEATED_TEXTS),
 }
 
 
@@ -91,6 +95,16 @@ class Round:
     statuses: dict[str, int]
     front_cpu_us: float  # a /predict: the one process, or the split's front end
     model_side_cpu_us: float  # a /predict: the split's model side (0 in one process)
+    disk_write_kib: float  # a /predict: written to storage by the process serving the model
+
+
+def written_bytes(pid: int) -> int:
+    """Bytes a process has caused to be written to storage (its page cache writes too)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == "write_bytes":
+            return int(value)
+    raise LookupError(f"/proc/{pid}/io has no write_bytes")
 
 
 def measure(url: str, pids: tuple[int, int | None], seconds: float, texts: Path) -> Round:
@@ -98,9 +112,12 @@ def measure(url: str, pids: tuple[int, int | None], seconds: float, texts: Path)
     wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
     wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
     health = wrk(f"{url}/health", CLIENTS, seconds, HEALTH_LUA, {})
+    serving_model = pids[1] or pids[0]
     before = [process_cpu_seconds(pid) if pid else 0.0 for pid in pids]
+    written_before = written_bytes(serving_model)
     predict = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
     after = [process_cpu_seconds(pid) if pid else 0.0 for pid in pids]
+    written = written_bytes(serving_model) - written_before
     requests = max(1, predict["requests"])
     health_rps = health["requests"] / (health["duration_us"] / 1e6)
     predict_rps = predict["requests"] / (predict["duration_us"] / 1e6)
@@ -113,6 +130,7 @@ def measure(url: str, pids: tuple[int, int | None], seconds: float, texts: Path)
         statuses=predict["statuses"],
         front_cpu_us=round(front_us, 1),
         model_side_cpu_us=round(model_us, 1),
+        disk_write_kib=round(written / requests / 1024, 2),
     )
 
 
@@ -148,7 +166,15 @@ def run(seconds: float, rounds: int, quick: bool) -> dict[str, Any]:
 
 
 def medians(runs: list[Round]) -> dict[str, float]:
-    fields = ("health_rps", "predict_rps", "ratio", "p99_ms", "front_cpu_us", "model_side_cpu_us")
+    fields = (
+        "health_rps",
+        "predict_rps",
+        "ratio",
+        "p99_ms",
+        "front_cpu_us",
+        "model_side_cpu_us",
+        "disk_write_kib",
+    )
     return {f: round(statistics.median(getattr(r, f) for r in runs), 3) for f in fields}
 
 
@@ -165,18 +191,19 @@ def report(result: dict[str, Any]) -> str:
         f"`make bench-frontend`'s simulated model; {result['clients']} wrk connections, "
         f"{result['seconds_per_run']} s a run; /health, then fresh one-text /predict; the "
         "two layouts started afresh in each round, in turns. CPU µs a /predict from /proc: "
-        "the one process's, or the split's front end's and model side's.",
+        "the one process's, or the split's front end's and model side's; KiB written to "
+        "storage a /predict by the process that serves the model.",
         "",
         "| layout | round | /health req/s | /predict req/s | ratio | p99 ms | front end µs "
-        "| model side µs | statuses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model side µs | disk KiB | statuses |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for layout, runs in result["rounds"].items():
         for number, r in enumerate(runs, start=1):
             lines.append(
                 f"| {layout} | {number} | {r['health_rps']:,.0f} | {r['predict_rps']:,.0f} "
                 f"| {r['ratio']} | {r['p99_ms']} | {r['front_cpu_us']} "
-                f"| {r['model_side_cpu_us']} | {r['statuses']} |"
+                f"| {r['model_side_cpu_us']} | {r['disk_write_kib']} | {r['statuses']} |"
             )
     lines.append("")
     for layout, m in result["medians"].items():
@@ -186,7 +213,8 @@ def report(result: dict[str, Any]) -> str:
             f"- **{layout}**, medians: /predict at **{m['ratio']}** of /health's rate "
             f"(target ≥ {result['target_ratio']}), {m['predict_rps']:,.0f} req/s, p99 "
             f"{m['p99_ms']} ms, {m['front_cpu_us']} µs of CPU a request in the "
-            f"{'front end' if split else 'process'}{model_side}."
+            f"{'front end' if split else 'process'}{model_side}, {m['disk_write_kib']} KiB "
+            "written to storage."
         )
     lines += [
         "",

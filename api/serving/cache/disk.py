@@ -19,6 +19,7 @@ import diskcache
 from diskcache.core import DBNAME, MODE_RAW
 
 from api.metrics import Metrics
+from api.serving.cache.doorkeeper import Doorkeeper
 from api.serving.cache.entry import Entry
 from api.serving.cache.text_disk import TextOnlyDisk, text_value
 from api.serving.cache.tier import screened
@@ -83,16 +84,23 @@ class DiskTier:
     itself (READ_QUERY, WRITE_QUERY) and refuses any row it could not have written
     (text_value); TextOnlyDisk, diskcache's serializer here, never deletes the file a row names
     when diskcache evicts the row. A value that is not an answer is a miss, counted as
-    rejected; any fault is a miss, counted.
+    rejected; any fault is a miss, counted. With a `doorkeeper`, only the answers it admits
+    are written (a key's from its second store on); the others are counted as not admitted.
     """
 
     name = "disk"
 
     def __init__(
-        self, folder: Path, max_bytes: int, ttl_seconds: float | None, metrics: Metrics
+        self,
+        folder: Path,
+        max_bytes: int,
+        ttl_seconds: float | None,
+        metrics: Metrics,
+        doorkeeper: Doorkeeper | None = None,
     ) -> None:
         self.ttl_seconds = ttl_seconds
         self.metrics = metrics
+        self._doorkeeper = doorkeeper
         # Least recently stored, not used: under "least-recently-used" every read, a miss
         # included, updates the entry's access time in a write transaction, so the event
         # loop's reads queued behind the writer thread's commits for the sqlite lock. Under
@@ -124,11 +132,16 @@ class DiskTier:
 
     @classmethod
     def open(
-        cls, folder: Path, max_bytes: int, ttl_seconds: float | None, metrics: Metrics
+        cls,
+        folder: Path,
+        max_bytes: int,
+        ttl_seconds: float | None,
+        metrics: Metrics,
+        doorkeeper: Doorkeeper | None = None,
     ) -> DiskTier | None:
         """The tier, or None (counted) when the folder cannot hold a cache."""
         try:
-            return cls(folder, max_bytes, ttl_seconds, metrics)
+            return cls(folder, max_bytes, ttl_seconds, metrics, doorkeeper)
         except Exception as exc:  # unwritable folder, full disk, bad database
             logger.warning("disk cache off: cannot open %s: %s", folder, exc)
             metrics.cache_errors.labels("disk", "open").inc()
@@ -191,8 +204,16 @@ class DiskTier:
         return connection
 
     def put_many(self, keys: Sequence[str], entries: Sequence[Entry]) -> None:
+        pairs = list(zip(keys, entries, strict=True))
+        if self._doorkeeper is not None:
+            admitted = [(key, entry) for key, entry in pairs if self._doorkeeper.admit(key)]
+            if len(admitted) < len(pairs):
+                self.metrics.cache_not_admitted.labels(self.name).inc(len(pairs) - len(admitted))
+            if not admitted:
+                return
+            pairs = admitted
         with self._backlog_lock:
-            self._backlog.extend(zip(keys, entries, strict=True))
+            self._backlog.extend(pairs)
             if self._draining:  # the writer takes these with the next transaction
                 return
             self._draining = True

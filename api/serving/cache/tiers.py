@@ -14,6 +14,7 @@ from api.metrics import Metrics
 from api.observability import tracing
 from api.serving.cache.breaker import Breaker
 from api.serving.cache.disk import DiskTier
+from api.serving.cache.doorkeeper import Doorkeeper
 from api.serving.cache.entry import Entry, is_finite
 from api.serving.cache.lru import LruTier
 from api.serving.cache.redis import RedisTier
@@ -58,6 +59,7 @@ class ResultCache:
                 settings.disk_cache_max_bytes,
                 settings.disk_cache_ttl_seconds,
                 metrics,
+                Doorkeeper() if settings.disk_cache_admission == "repeated" else None,
             )
             if disk is not None:
                 tiers.append(disk)
