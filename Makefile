@@ -100,7 +100,7 @@ bench-frontend: $(BENCH_INSTALLED)
 bench-split: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.split
 
-## bench-split-served: a front-end/model split served end to end (a prototype) beside one process
+## bench-split-served: the service's front-end/model split served end to end beside one process
 bench-split-served: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.split_served
 

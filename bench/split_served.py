@@ -99,7 +99,7 @@ class Round:
 
 
 def written_bytes(pid: int) -> int:
-    """Bytes a process has caused to be written to storage (its page cache writes too)."""
+    """Bytes a process has written to storage, through the page cache included."""
     for line in Path(f"/proc/{pid}/io").read_text().splitlines():
         name, _, value = line.partition(":")
         if name == "write_bytes":
@@ -190,7 +190,7 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"`make bench-frontend`'s simulated model; {result['clients']} wrk connections, "
         f"{result['seconds_per_run']} s a run; /health, then fresh one-text /predict; the "
-        "two layouts started afresh in each round, in turns. CPU µs a /predict from /proc: "
+        "layouts started afresh in each round, in turns. CPU µs a /predict from /proc: "
         "the one process's, or the split's front end's and model side's; KiB written to "
         "storage a /predict by the process that serves the model.",
         "",
