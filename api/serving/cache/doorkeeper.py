@@ -3,9 +3,10 @@ from the second time this process stores it, never one stored once.
 
 Most texts a spam filter sees come once (a personal message); its repeats (a campaign sent to
 thousands) are what a cache is for, and the LRU tier in front holds them while they are hot.
-Writing every one-off answer to disk cost the model's process ~16 µs of CPU a fresh text and
-put ~8 KiB on the disk for each (a random key's B-tree page in sqlite's write-ahead log, then
-again at the checkpoint), and pushed older answers out of the bounded tier. A filter that
+Writing every one-off answer to disk cost the model's process ~13 µs of CPU a fresh text and
+wrote 7.75 KiB to storage for each (a random key's page of sqlite's index, in the write-ahead
+log, then again at the checkpoint; bench/reports/split_served.md), and pushed older answers
+out of the bounded tier. A filter that
 remembers which keys were offered once is TinyLFU's "doorkeeper"; CacheLib admits to flash
 for the same reasons.
 """
@@ -38,7 +39,7 @@ class Doorkeeper:
 
     def admit(self, key: str) -> bool:
         """True if `key` was offered lately (see the class); every offer marks it."""
-        # A str's hash is kept on it: the LRU tier's lookup has computed this one already.
+        # A str keeps its hash once computed: the LRU tier's lookup has, when it is on.
         index = hash(key) % self._bits
         byte, bit = index >> 3, 1 << (index & 7)
         if self._current[byte] & bit:
