@@ -208,7 +208,8 @@ class DiskTier:
         if self._doorkeeper is not None:
             admitted = [(key, entry) for key, entry in pairs if self._doorkeeper.admit(key)]
             if len(admitted) < len(pairs):
-                self.metrics.cache_not_admitted.labels(self.name).inc(len(pairs) - len(admitted))
+                not_admitted = self.metrics.labelled(self.metrics.cache_not_admitted, self.name)
+                not_admitted.inc(len(pairs) - len(admitted))
             if not admitted:
                 return
             pairs = admitted

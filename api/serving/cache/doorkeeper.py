@@ -6,9 +6,8 @@ thousands) are what a cache is for, and the LRU tier in front holds them while t
 Writing every one-off answer to disk cost the model's process ~13 µs of CPU a fresh text and
 wrote 7.75 KiB to storage for each (a random key's page of sqlite's index, in the write-ahead
 log, then again at the checkpoint; bench/reports/split_served.md), and pushed older answers
-out of the bounded tier. A filter that
-remembers which keys were offered once is TinyLFU's "doorkeeper"; CacheLib admits to flash
-for the same reasons.
+out of the bounded tier. A filter that remembers which keys were offered once is TinyLFU's
+"doorkeeper"; CacheLib admits to flash for the same reasons.
 """
 
 from __future__ import annotations
