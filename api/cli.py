@@ -70,6 +70,7 @@ class Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         front_end = self.front_end
         if front_end is not None and not self.should_exit and self._drain is None:
+            front_end.kill_if_overdue()
             code = front_end.exit_code()
             if code is not None and self._deferred_signal is not None:
                 self._exit_on(self._deferred_signal)

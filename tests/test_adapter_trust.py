@@ -15,7 +15,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tests.test_runtime_adapters import (
+from tests.runtime_adapter_client import (
     ADMIN,
     TEXTS,
     TOLERANCE,

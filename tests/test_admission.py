@@ -23,9 +23,9 @@ from api.serving.admission import (
 from api.serving.batch_plan import Work
 from api.serving.batching import Backlog, Batcher, BatchLimits, BatchStats
 from api.serving.running_quantile import RunningQuantile
+from tests.fake_predictor import FakePredictor
 from tests.load_client import LoadResult, metric, run_load, sms_texts
 from tests.server_process import run_server
-from tests.test_batching import FakePredictor
 from tests.tiny_models import embedded_encoder_file
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from api.serving.batch_plan import Work, planned_work
 from api.serving.batching import Batcher, BatchLimits, BatchStats
-from tests.test_batching import FakePredictor
+from tests.fake_predictor import FakePredictor
 
 # The LLM queue: 3 texts of 128 tokens, 85 of 48 and 8 of 42 (4,800 real tokens).
 QUEUE = Counter({128: 3, 48: 85, 42: 8})

@@ -33,11 +33,11 @@ from api.serving.cache.verify import AnswerShape, rejection
 from tests.conftest import make_settings, spec_for, wait_for
 from tests.load_client import metric
 from tests.redis_server import RedisServer
+from tests.replicas import replicas
 from tests.server_process import REPO_ROOT, run_server
-from tests.test_scale_out import replicas
 from tests.tiny_models import LABELS, TinyModel, tiny_models_file
 
-SECRET = b"a secret the replicas share"  # what tests.test_scale_out.replicas sets
+SECRET = b"a secret the replicas share"  # what tests.replicas.replicas sets
 TEXTS = [
     "win a free prize now",
     "are we still meeting for lunch tomorrow",

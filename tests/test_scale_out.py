@@ -12,8 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,33 +25,11 @@ from tests.conftest import wait_for
 from tests.haproxy_process import HAPROXY_CONFIG, haproxy_binary, load_balancer
 from tests.load_client import run_load, sms_texts
 from tests.redis_server import RedisServer
-from tests.server_process import REPO_ROOT, ServerProcess, free_port, run_server
-from tests.tiny_models import TinyModel, tiny_models_file
+from tests.replicas import replicas
+from tests.server_process import REPO_ROOT, free_port
+from tests.tiny_models import TinyModel
 
 TEXT = "win a free prize now"
-
-
-@contextmanager
-def replicas(
-    count: int, tiny: TinyModel, redis: RedisServer, folder: Path, **settings: str
-) -> Iterator[list[ServerProcess]]:
-    """`count` real server processes sharing one Redis, each with its own disk cache, and
-    the given `settings` (SETTING_NAME=value) besides."""
-    models = tiny_models_file(folder, tiny, adapters=("spam",))
-    with ExitStack() as stack:
-        started = []
-        for index in range(count):
-            env = {
-                "MODELS_FILE": str(models),
-                "REDIS_URL": redis.url,
-                "REDIS_CACHE_SECRET": "a secret the replicas share",
-                "DISK_CACHE_DIR": str(folder / f"disk-{index}"),
-                **settings,
-            }
-            started.append(stack.enter_context(run_server(env, folder)))
-        for server in started:
-            server.wait_ready()
-        yield started
 
 
 def test_a_text_one_replica_answered_is_a_redis_hit_on_another(

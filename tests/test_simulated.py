@@ -17,19 +17,7 @@ from api.models.spec import ModelsFileError, load_models_file
 from api.settings import load_settings
 from tests.load_client import metric
 from tests.server_process import ServerProcess, run_server
-from tests.tiny_models import TinyModel, write_models_file
-
-SIMULATED = {"seconds_per_batch": 0.002, "seconds_per_token": 0.000001}
-
-
-def simulated_entry(**extra: object) -> dict[str, object]:
-    return {
-        "name": "sim",
-        "simulated": dict(SIMULATED),
-        "labels": ["ham", "spam"],
-        "max_length": 128,
-        **extra,
-    }
+from tests.tiny_models import SIMULATED, TinyModel, simulated_entry, write_models_file
 
 
 def predict(server: ServerProcess, texts: list[str], **fields: object) -> httpx.Response:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,13 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.http.middleware.direct import DirectRoutes
 from api.http.routes.common import OwnBodyRoute
+from api.http.split import child
+from api.http.split.child import FrontEndProcess
 from api.http.split.front_end import create_front_end_app, without_families
 from api.metrics import REQUEST_FAMILIES
 from tests.conftest import make_settings
 from tests.load_client import exposition_sum
 from tests.otlp_receiver import ReceivedSpan, run_otlp_receiver
-from tests.server_process import ServerProcess, run_server
-from tests.test_runtime_adapters import (
+from tests.runtime_adapter_client import (
     ADMIN,
     ADMIN_KEY,
     TEXTS,
@@ -42,8 +45,15 @@ from tests.test_runtime_adapters import (
     reference,
     runtime_adapters,
 )
-from tests.test_simulated import simulated_entry
-from tests.tiny_models import LABELS, TinyModel, build_adapter, tiny_models_file, write_models_file
+from tests.server_process import ServerProcess, run_server
+from tests.tiny_models import (
+    LABELS,
+    TinyModel,
+    build_adapter,
+    simulated_entry,
+    tiny_models_file,
+    write_models_file,
+)
 
 FRONT_END = ("front-end",)
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
@@ -346,3 +356,29 @@ def test_one_command_stops_when_its_front_end_dies(tmp_path: Path) -> None:
         os.kill(child, signal.SIGKILL)
         assert service.process.wait(timeout=60) == 4
     assert "the front end exited with -9" in service.log()
+
+
+def test_a_front_end_that_overruns_its_stop_is_killed_when_the_tick_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(child, "STOP_GRACE_SECONDS", 0.5)
+    front_end = FrontEndProcess(tmp_path / "model.sock", drain_seconds=0.0)
+    ignores_sigterm = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        " print('ready', flush=True); time.sleep(60)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", ignores_sigterm], stdout=subprocess.PIPE)
+    front_end.process = process
+    try:
+        assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+        front_end.stop()
+        front_end.kill_if_overdue()  # within the time it was given: left to drain
+        time.sleep(0.8)
+        assert front_end.exit_code() is None
+        time.sleep(0.2)
+        assert process.poll() is None  # asking how it is kills nothing
+        front_end.kill_if_overdue()
+        assert process.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        process.kill()
+        process.wait()

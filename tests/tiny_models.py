@@ -306,3 +306,18 @@ def faulty_bert(tiny: TinyModel, folder: Path, trigger_word: str) -> TinyModel:
     }
     (base / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return TinyModel(base=base, adapters=tiny.adapters)
+
+
+# The costs of the tests' simulated device (`simulated:` in a models file).
+SIMULATED = {"seconds_per_batch": 0.002, "seconds_per_token": 0.000001}
+
+
+def simulated_entry(**extra: object) -> dict[str, object]:
+    """A models-file entry for a simulated model `sim` (no weights), with `extra` fields."""
+    return {
+        "name": "sim",
+        "simulated": dict(SIMULATED),
+        "labels": ["ham", "spam"],
+        "max_length": 128,
+        **extra,
+    }

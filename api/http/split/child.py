@@ -41,14 +41,17 @@ class FrontEndProcess:
         logger.info("front end started (pid %d)", self.process.pid)
 
     def exit_code(self) -> int | None:
-        """None while it runs; killed once it has overrun the time it was given to stop."""
+        """None while it runs."""
         assert self.process is not None
-        code = self.process.poll()
-        if code is None and self.kill_at is not None and time.monotonic() > self.kill_at:
+        return self.process.poll()
+
+    def kill_if_overdue(self) -> None:
+        """Kills it once it has overrun the time it was given to stop."""
+        overdue = self.kill_at is not None and time.monotonic() > self.kill_at
+        if overdue and self.exit_code() is None:
             waited = self.drain_seconds + STOP_GRACE_SECONDS
             logger.warning("front end still running %g s after SIGTERM: killed", waited)
-            self.process.kill()
-        return code
+            self.kill_now()
 
     def stop(self) -> None:
         """SIGTERM: the front end drains (at most DRAIN_SECONDS), then exits."""
