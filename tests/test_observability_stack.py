@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import diskcache
 import httpx
 import promql_parser
 import pytest
@@ -29,6 +30,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.metrics import DASHBOARD_METRICS, GPU_METRICS
+from api.serving.cache.entry import cache_key
 from api.settings import Settings
 from tests.conftest import SETTING_NAMES
 from tests.promql import metric_names
@@ -43,14 +45,17 @@ DOCKERFILES = (DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda")
 VENV_BIN = Path(sys.executable).parent
 
 # The names dashboards and alerts may use: the pinned ones, the GPU ones (exported on CUDA
-# hosts only), two fault counters, Prometheus's own `up`, and the process_* collector's.
+# hosts only), three fault counters, Prometheus's own `up`, and the process_* collector's.
 ALLOWED_METRICS = {
     *DASHBOARD_METRICS,
     *GPU_METRICS,
     "loraserve_batch_dropped_total",
     "loraserve_cache_errors_total",
+    "loraserve_cache_rejected_total",
     "up",
 }
+# A text the disk tier holds a row for that this service did not write (refused_from_disk).
+PLANTED_TEXT = "a text whose cached answer someone else wrote"
 # Panels that only a CUDA host fills: empty on CPU, and the only ones allowed to be.
 GPU_PANELS = {"GPU memory by device"}
 # Stands for Grafana's $__rate_interval: the whole test's traffic lies inside one minute.
@@ -272,7 +277,20 @@ def stack(tiny_bert: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Ite
             patch.delenv(name)  # the developer's own settings stay out of the server
         with run_server(env, tmp) as server:
             server.wait_ready()
+            refused_from_disk(server.url, tmp / "cache")
             yield from scrape(server.url, tmp)
+
+
+def refused_from_disk(url: str, folder: Path) -> None:
+    """A text whose disk row someone else wrote (a pickle), asked for: the disk tier refuses
+    the row and the model answers, the 'Cache values refused' panel's data."""
+    [model] = httpx.get(f"{url}/models", timeout=10).json()["models"]
+    identity = next(i["digest"] for i in model["identities"] if i["adapter"] == "spam")
+    with diskcache.Cache(str(folder)) as planted:
+        planted.set(cache_key(identity, True, PLANTED_TEXT), ["not", "an", "answer"])
+    response = httpx.post(f"{url}/predict", json={"inputs": PLANTED_TEXT}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Cache"] == "lru=0,disk=0,model=1"
 
 
 def scrape(server_url: str, tmp: Path) -> Iterator[Stack]:
@@ -306,6 +324,9 @@ def scrape(server_url: str, tmp: Path) -> Iterator[Stack]:
         )
     try:
         stack = Stack(server_url, f"http://127.0.0.1:{port}")
+        # Until its storage is open, Prometheus answers queries 503 in plain text.
+        ready = f"{stack.prometheus_url}/-/ready"
+        wait_for(lambda: httpx.get(ready, timeout=10).status_code == 200, "not ready", log_path)
         # Scraped before the traffic and several times during it, so every rate has a rise.
         wait_for(lambda: bool(stack.query('up{job="loraserve"} == 1')), "no scrape", log_path)
         traffic(server_url, seconds=3)
