@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-disk-tier bench-revisions bench-score bench-cascade bench-adapters train train-llm clean
+.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-revisions bench-score bench-cascade bench-adapters train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,7 +74,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters
+bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -103,6 +103,10 @@ bench-split: $(BENCH_INSTALLED)
 ## bench-split-served: the service's front-end/model split served end to end beside one process
 bench-split-served: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.split_served
+
+## bench-split-waits: where one-text requests wait: idle cores, each event loop's CPU and its wait for a core
+bench-split-waits: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.split_waits
 
 ## bench-disk-tier: the disk tier's CPU a text, writes and reads, against diskcache's own calls
 bench-disk-tier: $(BENCH_INSTALLED)

@@ -29,12 +29,12 @@ import argparse
 import json
 import statistics
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bench.frontend import CLIENTS, HEALTH_LUA, TARGET_RATIO, fresh_env, write_models_file
 from bench.report_files import write_report
@@ -51,13 +51,18 @@ from bench.throughput import (
     wrk,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 REPO = Path(__file__).resolve().parents[1]
 LOAD_WAIT_SECONDS = 900
 FRONT_END = ("api.cli", "front-end")
 DISK_TIER_OFF = {"DISK_CACHE_MAX_BYTES": "0"}
 REPEATED_TEXTS = {"DISK_CACHE_ADMISSION": "repeated"}
 # Each layout: split or not, and the settings of the process that serves the model.
-LAYOUTS: dict[str, tuple[bool, dict[str, str]]] = {
+Layouts = dict[str, tuple[bool, dict[str, str]]]
+Measured = TypeVar("Measured", bound="DataclassInstance")
+LAYOUTS: Layouts = {
     "one process": (False, {}),
     "split": (True, {}),
     "one process, disk tier off": (False, DISK_TIER_OFF),
@@ -107,21 +112,23 @@ def written_bytes(pid: int) -> int:
     raise LookupError(f"/proc/{pid}/io has no write_bytes")
 
 
-def measure(url: str, pids: tuple[int, int | None], seconds: float, texts: Path) -> Round:
-    """Warm-ups, then a /health run and a fresh /predict run."""
+def measure(url: str, pids: tuple[int, ...], seconds: float, texts: Path) -> Round:
+    """Warm-ups, then a /health run and a fresh /predict run; `pids`: the one process, or the
+    split's front end and model side."""
     wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
     wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
     health = wrk(f"{url}/health", CLIENTS, seconds, HEALTH_LUA, {})
-    serving_model = pids[1] or pids[0]
-    before = [process_cpu_seconds(pid) if pid else 0.0 for pid in pids]
+    serving_model = pids[-1]
+    before = [process_cpu_seconds(pid) for pid in pids]
     written_before = written_bytes(serving_model)
     predict = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
-    after = [process_cpu_seconds(pid) if pid else 0.0 for pid in pids]
+    after = [process_cpu_seconds(pid) for pid in pids]
     written = written_bytes(serving_model) - written_before
     requests = max(1, predict["requests"])
     health_rps = health["requests"] / (health["duration_us"] / 1e6)
     predict_rps = predict["requests"] / (predict["duration_us"] / 1e6)
-    front_us, model_us = (1e6 * (a - b) / requests for a, b in zip(after, before, strict=True))
+    cpu_us = [1e6 * (a - b) / requests for a, b in zip(after, before, strict=True)]
+    front_us, model_us = cpu_us[0], cpu_us[1] if len(cpu_us) == 2 else 0.0
     return Round(
         health_rps=round(health_rps, 1),
         predict_rps=round(predict_rps, 1),
@@ -135,34 +142,8 @@ def measure(url: str, pids: tuple[int, int | None], seconds: float, texts: Path)
 
 
 def run(seconds: float, rounds: int, quick: bool) -> dict[str, Any]:
-    scratch = WORK / "split-served"
-    scratch.mkdir(parents=True, exist_ok=True)
-    texts = write_literals(sample_texts(2000), scratch / "texts.txt")
-    env = {"MODELS_FILE": str(write_models_file(scratch))}
-    load_at_start = 0.0 if quick else wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]
-    found: dict[str, list[Round]] = {layout: [] for layout in LAYOUTS}
-    names = list(LAYOUTS)
-    for number in range(rounds):
-        # A rotating order, so that a drift of the machine hits every layout alike.
-        for layout in names[number % len(names) :] + names[: number % len(names)]:
-            split, model_env = LAYOUTS[layout]
-            if split:
-                with split_server("split-served", env, model_env) as (url, front, model_side):
-                    found[layout].append(measure(url, (front, model_side), seconds, texts))
-            else:
-                with server("split-served-one", {**env, **model_env}, threads=1) as target:
-                    found[layout].append(measure(target.url, (target.pid, None), seconds, texts))
-            print(layout, json.dumps(asdict(found[layout][-1])), flush=True)
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": host(),
-        "load_average_at_start": load_at_start,
-        "clients": CLIENTS,
-        "seconds_per_run": seconds,
-        "rounds": {layout: [asdict(r) for r in runs] for layout, runs in found.items()},
-        "medians": {layout: medians(runs) for layout, runs in found.items()},
-        "target_ratio": TARGET_RATIO,
-    }
+    figures = run_layouts("split-served", LAYOUTS, measure, medians, seconds, rounds, quick)
+    return {**figures, "target_ratio": TARGET_RATIO}
 
 
 def medians(runs: list[Round]) -> dict[str, float]:
@@ -225,18 +206,76 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    main_of("split_served", __doc__.split("\n\n")[0], run, report, seconds=10.0)
+
+
+# --- the rounds, for this bench and bench.split_waits -------------------------------------
+
+
+def run_layouts(
+    name: str,
+    layouts: Layouts,
+    measure: Callable[[str, tuple[int, ...], float, Path], Measured],
+    medians: Callable[[list[Measured]], dict[str, Any]],
+    seconds: float,
+    rounds: int,
+    quick: bool,
+) -> dict[str, Any]:
+    """Each round starts each layout afresh with `make bench-frontend`'s simulated model and
+    measures it: `measure(url, pids, seconds, texts)`, the pids being the one process's, or
+    the split's front end's and model side's. The figures: each round's, and `medians`."""
+    scratch = WORK / name
+    scratch.mkdir(parents=True, exist_ok=True)
+    texts = write_literals(sample_texts(2000), scratch / "texts.txt")
+    env = {"MODELS_FILE": str(write_models_file(scratch))}
+    load_at_start = 0.0 if quick else wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]
+    found: dict[str, list[Measured]] = {layout: [] for layout in layouts}
+    names = list(layouts)
+    for number in range(rounds):
+        # A rotating order, so that a drift of the machine hits every layout alike.
+        for layout in names[number % len(names) :] + names[: number % len(names)]:
+            split, model_env = layouts[layout]
+            if split:
+                with split_server(name, env, model_env) as (url, front, model_side):
+                    found[layout].append(measure(url, (front, model_side), seconds, texts))
+            else:
+                with server(f"{name}-one", {**env, **model_env}, threads=1) as target:
+                    found[layout].append(measure(target.url, (target.pid,), seconds, texts))
+            print(layout, json.dumps(asdict(found[layout][-1])), flush=True)
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": host(),
+        "load_average_at_start": load_at_start,
+        "clients": CLIENTS,
+        "seconds_per_run": seconds,
+        "rounds": {layout: [asdict(r) for r in runs] for layout, runs in found.items()},
+        "medians": {layout: medians(runs) for layout, runs in found.items()},
+    }
+
+
+def main_of(
+    name: str,
+    description: str,
+    run: Callable[[float, int, bool], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+    seconds: float,
+) -> None:
+    """A bench's command line: `--quick` (one round of 2 s, into bench/out/<name>-quick/),
+    `--rounds` (5), `--seconds` (`seconds` a run), `--out` (bench/reports); then its report,
+    `<name>.md` and `.json`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="smoke run: one round of 2 s")
     parser.add_argument("--rounds", type=int, help="rounds (default 5)")
-    parser.add_argument("--seconds", type=float, help="seconds a run (default 10)")
+    parser.add_argument("--seconds", type=float, help=f"seconds a run (default {seconds:g})")
     parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
     args = parser.parse_args()
     quick = args.quick
     rounds = args.rounds or (1 if quick else 5)
-    seconds = args.seconds or (2.0 if quick else 10.0)
-    out = args.out or (REPO / "bench" / "out" / "split-served-quick" if quick else REPORTS)
+    seconds = args.seconds or (2.0 if quick else seconds)
+    quick_out = REPO / "bench" / "out" / f"{name.replace('_', '-')}-quick"
+    out = args.out or (quick_out if quick else REPORTS)
     result = run(seconds, rounds, quick)
-    write_report(out, "split_served", result, report(result))
+    write_report(out, name, result, report(result))
 
 
 if __name__ == "__main__":
