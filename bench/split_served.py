@@ -43,6 +43,7 @@ from bench.throughput import (
     REPORTS,
     WORK,
     host,
+    in_turn,
     process_cpu_seconds,
     sample_texts,
     server,
@@ -115,9 +116,7 @@ def written_bytes(pid: int) -> int:
 def measure(url: str, pids: tuple[int, ...], seconds: float, texts: Path) -> Round:
     """Warm-ups, then a /health run and a fresh /predict run; `pids`: the one process, or the
     split's front end and model side."""
-    wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
-    wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
-    health = wrk(f"{url}/health", CLIENTS, seconds, HEALTH_LUA, {})
+    health_rps = warmed_health_rate(url, seconds, texts)
     serving_model = pids[-1]
     before = [process_cpu_seconds(pid) for pid in pids]
     written_before = written_bytes(serving_model)
@@ -125,8 +124,7 @@ def measure(url: str, pids: tuple[int, ...], seconds: float, texts: Path) -> Rou
     after = [process_cpu_seconds(pid) for pid in pids]
     written = written_bytes(serving_model) - written_before
     requests = max(1, predict["requests"])
-    health_rps = health["requests"] / (health["duration_us"] / 1e6)
-    predict_rps = predict["requests"] / (predict["duration_us"] / 1e6)
+    predict_rps = per_second(predict)
     cpu_us = [1e6 * (a - b) / requests for a, b in zip(after, before, strict=True)]
     front_us, model_us = cpu_us[0], cpu_us[1] if len(cpu_us) == 2 else 0.0
     return Round(
@@ -233,7 +231,7 @@ def run_layouts(
     names = list(layouts)
     for number in range(rounds):
         # A rotating order, so that a drift of the machine hits every layout alike.
-        for layout in names[number % len(names) :] + names[: number % len(names)]:
+        for layout in in_turn(names, number):
             split, model_env = layouts[layout]
             if split:
                 with split_server(name, env, model_env) as (url, front, model_side):
@@ -251,6 +249,19 @@ def run_layouts(
         "rounds": {layout: [asdict(r) for r in runs] for layout, runs in found.items()},
         "medians": {layout: medians(runs) for layout, runs in found.items()},
     }
+
+
+def warmed_health_rate(url: str, seconds: float, texts: Path) -> float:
+    """Warm-ups (a second of fresh /predict, then one of /health), then /health's requests a
+    second over a run of `seconds`."""
+    wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
+    wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
+    return per_second(wrk(f"{url}/health", CLIENTS, seconds, HEALTH_LUA, {}))
+
+
+def per_second(summary: dict[str, Any]) -> float:
+    """A wrk run's requests a second."""
+    return float(summary["requests"] / (summary["duration_us"] / 1e6))
 
 
 def main_of(

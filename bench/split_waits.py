@@ -11,7 +11,7 @@ caches: one process and the split as `make bench-split-served` starts them, and 
 with `MAX_BATCH_SIZE=16` on its model side (batches of half the clients). In each: a /health
 run, then fresh one-text /predict from 64 wrk connections, over which it reads:
 
-- /proc/stat: the share of the machine's CPU time that was idle;
+- /proc/stat: the share of the machine's cores idle over the run;
 - /proc/<pid>/task/<pid>/stat and schedstat, for each server process's main thread (its event
   loop): the cores it ran on average, and the share of the run it was runnable but waiting
   for a core (the kernel's run-queue time);
@@ -21,20 +21,18 @@ run, then fresh one-text /predict from 64 wrk connections, over which it reads:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.frontend import CLIENTS, HEALTH_LUA, fresh_env
-from bench.split_served import Layouts, main_of, run_layouts
-from bench.throughput import (
-    CLOCK_TICKS,
-    FRESH_LUA,
-    process_cpu_seconds,
-    wrk,
-)
+from bench.frontend import CLIENTS, fresh_env
+from bench.split_served import Layouts, main_of, per_second, run_layouts, warmed_health_rate
+from bench.throughput import FRESH_LUA, busy_cpu_seconds, process_cpu_seconds, wrk
+
+CORES = os.cpu_count() or 1  # /proc/stat's first line counts every online core
 
 LAYOUTS: Layouts = {
     "one process": (False, {}),
@@ -45,25 +43,21 @@ LAYOUTS: Layouts = {
 
 @dataclass(frozen=True)
 class Reading:
-    """Cumulative seconds at one moment: the machine's idle and all CPU time; per server
-    process, its event loop's time on a core and waiting for one, and all its threads' CPU."""
+    """Cumulative seconds at one moment: every core's time not idle; per server process, its
+    event loop's time on a core and waiting for one, and all its threads' CPU."""
 
-    idle: float
-    total: float
+    busy: float
     loops: tuple[tuple[float, float], ...]
     processes: tuple[float, ...]
 
 
 def read(pids: tuple[int, ...]) -> Reading:
-    # cpu  user nice system idle iowait irq softirq steal guest guest_nice (guest is in user)
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     loops = []
     for pid in pids:
         ran_ns, waited_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
         loops.append((int(ran_ns) / 1e9, int(waited_ns) / 1e9))
     return Reading(
-        idle=(ticks[3] + ticks[4]) / CLOCK_TICKS,
-        total=sum(ticks) / CLOCK_TICKS,
+        busy=busy_cpu_seconds(),
         loops=tuple(loops),
         processes=tuple(process_cpu_seconds(pid) for pid in pids),
     )
@@ -87,14 +81,11 @@ class Round:
 
 def measure(url: str, pids: tuple[int, ...], seconds: float, texts: Path) -> Round:
     """Warm-ups, then a /health run and a fresh /predict run, read over the latter."""
-    wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
-    wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
-    health = wrk(f"{url}/health", CLIENTS, seconds, HEALTH_LUA, {})
+    health_rps = warmed_health_rate(url, seconds, texts)
     before, started = read(pids), time.monotonic()
     predict = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
     after, wall = read(pids), time.monotonic() - started
-    health_rps = health["requests"] / (health["duration_us"] / 1e6)
-    predict_rps = predict["requests"] / (predict["duration_us"] / 1e6)
+    predict_rps = per_second(predict)
     ran = [(a[0] - b[0]) / wall for a, b in zip(after.loops, before.loops, strict=True)]
     waited = [(a[1] - b[1]) / wall for a, b in zip(after.loops, before.loops, strict=True)]
     process = [(a - b) / wall for a, b in zip(after.processes, before.processes, strict=True)]
@@ -103,7 +94,7 @@ def measure(url: str, pids: tuple[int, ...], seconds: float, texts: Path) -> Rou
         predict_rps=round(predict_rps, 1),
         ratio=round(predict_rps / health_rps, 3),
         statuses=predict["statuses"],
-        machine_idle=round((after.idle - before.idle) / (after.total - before.total), 3),
+        machine_idle=round(1 - (after.busy - before.busy) / (wall * CORES), 3),
         loop_cores=[round(r, 3) for r in ran],
         loop_waiting=[round(w, 3) for w in waited],
         # A process's stat counts in clock ticks, its loop's schedstat in ns: never below 0.
