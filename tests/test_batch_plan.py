@@ -50,6 +50,35 @@ def test_rows_longer_than_a_batch_run_alone() -> None:
     assert planned_work(Counter(), grouped) == Work(0, 0)
 
 
+def longest_first_row_by_row(lengths: list[int], limits: BatchLimits) -> Work:
+    """The cost model's plan one row at a time: the rows longest first, each joining the
+    open batch while it has room (rows that fit its first row's length), else opening one."""
+    batches = tokens = taken = room = padded_to = 0
+    for length in sorted(lengths, reverse=True):
+        if taken == room:
+            batches, taken, padded_to = batches + 1, 0, length
+            room = max(1, min(limits.max_batch_size, limits.max_batch_tokens // length))
+        taken += 1
+        tokens += padded_to
+    return Work(batches, tokens)
+
+
+def test_the_cost_models_plan_is_the_row_by_row_plan() -> None:
+    # The plan takes each length's rows at once (arithmetic); the reference takes one row a
+    # step. Lengths counted 0 or less (a queue's lengths after rows left) count no row.
+    for seed in range(300):
+        chosen = random.Random(seed)
+        limits = BatchLimits(
+            max_batch_size=chosen.choice([1, 4, 32]),
+            max_batch_tokens=chosen.choice([64, 256, 2048]),
+            overhead_tokens=5,
+        )
+        lengths = chosen.choices(range(1, 300), k=chosen.randint(0, 80))
+        counted: dict[int, int] = dict(Counter(lengths))
+        counted[1000 + seed] = chosen.choice([0, -1])
+        assert planned_work(counted, limits) == longest_first_row_by_row(lengths, limits), seed
+
+
 @pytest.fixture
 async def executor() -> AsyncIterator[ThreadPoolExecutor]:
     pool = ThreadPoolExecutor(max_workers=1)

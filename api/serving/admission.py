@@ -63,6 +63,9 @@ class CostEstimate:
     _tokens_squared: float = 0.0
     _tokens_seconds: float = 0.0
     batches: int = 0
+    # The fit of the batches so far, made once for the many requests judged between batches.
+    _fitted: Fit | None = field(default=None, repr=False)
+    _stale: bool = field(default=True, repr=False)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Adds one batch's tokens and wall time."""
@@ -72,6 +75,7 @@ class CostEstimate:
         self._tokens_squared = DECAY * self._tokens_squared + tokens * tokens
         self._tokens_seconds = DECAY * self._tokens_seconds + tokens * seconds
         self.batches += 1
+        self._stale = True
 
     def start_from(self, samples: Iterable[tuple[int, float]]) -> None:
         """Adds forwards timed at load (Predictor.probe_batches) as batches: the fit starts
@@ -81,6 +85,11 @@ class CostEstimate:
 
     def fit(self) -> Fit | None:
         """The fitted cost, or None before MIN_BATCHES batches."""
+        if self._stale:
+            self._fitted, self._stale = self._fit(), False
+        return self._fitted
+
+    def _fit(self) -> Fit | None:
         if self.batches < MIN_BATCHES or self._tokens <= 0:
             return None
         mean_tokens = self._tokens / self._weight

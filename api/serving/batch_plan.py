@@ -5,7 +5,7 @@ upper bound that costs no more than a pass over the distinct lengths."""
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,8 +21,9 @@ class Work:
     tokens: int = 0
 
 
-def planned_work(lengths: Counter[int], limits: BatchLimits) -> Work:
-    """At most what the batcher computes to run rows of these lengths (length: count).
+def planned_work(lengths: Mapping[int, int], limits: BatchLimits) -> Work:
+    """At most what the batcher computes to run rows of these lengths (length: count; a
+    count of 0 or less counts no row, as in a Counter after subtractions).
 
     The bound follows the batcher's way of choosing (api.serving.batching):
     - packed: the real tokens exactly; batches as first-fit can leave them
@@ -36,19 +37,20 @@ def planned_work(lengths: Counter[int], limits: BatchLimits) -> Work:
       batches as many as that padding allows. Its batches can mix lengths freely, so no
       tighter bound holds for every order the rows may arrive in.
     """
+    if limits.overhead_tokens is not None and not limits.packed:
+        return _longest_first(lengths, limits)
+    lengths = {length: count for length, count in lengths.items() if count > 0}
     rows = sum(lengths.values())
     if rows == 0:
         return Work()
     if limits.packed:
         return _packed(lengths, rows, limits)
-    if limits.overhead_tokens is not None:
-        return _longest_first(lengths, limits)
     longest = max(lengths)
     per_batch = _rows_that_fit(longest, limits)
     return Work(math.ceil(rows / per_batch), rows * longest)
 
 
-def _packed(lengths: Counter[int], rows: int, limits: BatchLimits) -> Work:
+def _packed(lengths: Mapping[int, int], rows: int, limits: BatchLimits) -> Work:
     """A packed batch holds the oldest rows that fit, so every batch but the last is full
     by rows or has no room for one more row: over max_batch_tokens - longest tokens."""
     tokens = sum(length * count for length, count in lengths.items())
@@ -58,17 +60,26 @@ def _packed(lengths: Counter[int], rows: int, limits: BatchLimits) -> Work:
     return Work(1 + math.floor(rows / limits.max_batch_size + tokens / room), tokens)
 
 
-def _longest_first(lengths: Counter[int], limits: BatchLimits) -> Work:
+def _longest_first(lengths: Mapping[int, int], limits: BatchLimits) -> Work:
+    """Each length's rows first fill what room the open batch has left (padded to its first
+    row), then open as many batches of this length as they need. Arithmetic per distinct
+    length, not a step per batch: admission plans the queue for every request it judges."""
     batches = tokens = 0
-    taken = room = padded_to = 0
+    room = padded_to = 0  # the open batch: rows it can still take, and its padded length
     for length in sorted(lengths, reverse=True):
         left = lengths[length]
-        while left:
-            if taken == room:  # a new batch, padded to this (its longest) row
-                batches, taken, padded_to = batches + 1, 0, length
-                room = _rows_that_fit(length, limits)
-            joined = min(left, room - taken)
-            taken, left, tokens = taken + joined, left - joined, tokens + joined * padded_to
+        if left <= 0:
+            continue
+        joined = min(left, room)
+        tokens += joined * padded_to
+        room -= joined
+        left -= joined
+        if left:
+            fit = _rows_that_fit(length, limits)
+            opened = -(-left // fit)
+            batches += opened
+            tokens += left * length
+            room, padded_to = opened * fit - left, length
     return Work(batches, tokens)
 
 

@@ -120,12 +120,13 @@ class Backlog(Protocol):
 
 @dataclass(frozen=True)
 class QueuedBacklog:
-    """A Backlog from the lengths of the rows queued, each planned the first time it is
-    asked for: an admitted request needs `total` alone; `ahead` and `own` only a refused one
-    (or one before any batch ran), so most requests plan the queue once, not three times."""
+    """A Backlog from the lengths of the rows queued (length: count), each planned the first
+    time it is asked for: an admitted request needs `total` alone; `ahead` and `own` only a
+    refused one (or one before any batch ran), so most requests plan the queue once, not
+    three times."""
 
-    ahead_lengths: Counter[int]
-    own_lengths: Counter[int]
+    ahead_lengths: dict[int, int]
+    own_lengths: dict[int, int]
     limits: BatchLimits
     running_tokens: int
     running_seconds: float
@@ -140,7 +141,10 @@ class QueuedBacklog:
 
     @cached_property
     def total(self) -> Work:
-        return planned_work(self.ahead_lengths + self.own_lengths, self.limits)
+        lengths = dict(self.ahead_lengths)
+        for length, count in self.own_lengths.items():
+            lengths[length] = lengths.get(length, 0) + count
+        return planned_work(lengths, self.limits)
 
 
 @dataclass(eq=False)
@@ -257,8 +261,10 @@ class Batcher(Generic[Result]):
 
     def backlog(self, rows: list[list[int]], adapters: list[str | None]) -> Backlog:
         """What these rows, submitted now, would wait for (see Backlog)."""
-        ahead = Counter(self._waited_lengths)
-        own: Counter[int] = Counter()
+        # A copy (the queue changes after this returns), with lengths down to 0 left in:
+        # planning skips them.
+        ahead = dict(self._waited_lengths)
+        own: dict[int, int] = {}
         for key in dict.fromkeys(zip(adapters, map(tuple, rows), strict=True)):
             row = self._inflight.get(key)
             if row is not None and not row.future.done():
@@ -266,8 +272,8 @@ class Batcher(Generic[Result]):
                     continue  # in the running batch
                 if row.waiters > 0:
                     ahead[len(row.ids)] -= 1
-            own[len(key[1])] += 1
-        ahead = +ahead  # drops the lengths left at 0
+            length = len(key[1])
+            own[length] = own.get(length, 0) + 1
         running = self._running_batch
         return QueuedBacklog(
             ahead_lengths=ahead,
