@@ -28,7 +28,7 @@ from api import __version__
 from api.http.errors import BadRequest, InvalidInput, NotFound
 from api.http.lengths import parse_length
 from api.http.lifecycle import Call, handle
-from api.http.routes.common import State, json_body
+from api.http.routes.common import ScoresResponse, State, json_body
 from api.http.schemas import (
     OipError,
     OipInferenceRequest,
@@ -143,7 +143,7 @@ async def infer(name: str, request: Request, state: State) -> Response:
         "id": payload.id if payload.id is not None else str(uuid.uuid4()),
         "outputs": [{"name": output, **outputs[output]} for output in wanted],
     }
-    return JSONResponse(body, headers=done.headers(name))
+    return ScoresResponse(body, headers=done.headers(name))
 
 
 def known_labels(state: ServiceState, name: str) -> list[str] | None:

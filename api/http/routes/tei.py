@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from api.http.lifecycle import Call, handle
-from api.http.routes.common import OwnBodyRoute, json_body, read_body, state_of
+from api.http.routes.common import OwnBodyRoute, ScoresResponse, json_body, read_body, state_of
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.serving.ranking import rank
 
@@ -38,4 +37,4 @@ async def predict(request: Request) -> Response:
     # Inference API's shape (with `parameters`, as InferenceClient sends it), whose answer to
     # one text is a list holding that list.
     one_list = isinstance(body.inputs, str) and body.parameters is None
-    return JSONResponse(ranked[0] if one_list else ranked, headers=headers)
+    return ScoresResponse(ranked[0] if one_list else ranked, headers=headers)
