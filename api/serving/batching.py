@@ -10,7 +10,6 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Generic, Protocol, TypeVar
 
 from opentelemetry.trace import SpanContext
@@ -118,33 +117,43 @@ class Backlog(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class QueuedBacklog:
     """A Backlog from the lengths of the rows queued (length: count), each planned the first
     time it is asked for: an admitted request needs `total` alone; `ahead` and `own` only a
     refused one (or one before any batch ran), so most requests plan the queue once, not
-    three times."""
+    three times. (Kept by hand, not by functools.cached_property, which takes a lock on
+    every first access in Python 3.11.)"""
 
     ahead_lengths: dict[int, int]
     own_lengths: dict[int, int]
     limits: BatchLimits
     running_tokens: int
     running_seconds: float
+    _ahead: Work | None = None
+    _own: Work | None = None
+    _total: Work | None = None
 
-    @cached_property
+    @property
     def ahead(self) -> Work:
-        return planned_work(self.ahead_lengths, self.limits)
+        if self._ahead is None:
+            self._ahead = planned_work(self.ahead_lengths, self.limits)
+        return self._ahead
 
-    @cached_property
+    @property
     def own(self) -> Work:
-        return planned_work(self.own_lengths, self.limits)
+        if self._own is None:
+            self._own = planned_work(self.own_lengths, self.limits)
+        return self._own
 
-    @cached_property
+    @property
     def total(self) -> Work:
-        lengths = dict(self.ahead_lengths)
-        for length, count in self.own_lengths.items():
-            lengths[length] = lengths.get(length, 0) + count
-        return planned_work(lengths, self.limits)
+        if self._total is None:
+            lengths = dict(self.ahead_lengths)
+            for length, count in self.own_lengths.items():
+                lengths[length] = lengths.get(length, 0) + count
+            self._total = planned_work(lengths, self.limits)
+        return self._total
 
 
 @dataclass(eq=False)
