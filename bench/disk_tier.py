@@ -38,7 +38,7 @@ from typing import Any
 import diskcache
 
 from api.metrics import Metrics
-from api.serving.cache.disk import DiskTier
+from api.serving.cache.disk import DiskTier, value_text
 from api.serving.cache.text_disk import TextOnlyDisk
 from bench.report_files import write_report
 from bench.throughput import REPORTS, host, wait_for_quiet
@@ -70,7 +70,7 @@ def one_round(entries: int, name: str) -> dict[str, float]:
     stored = keys(f"{name}.stored", entries)
     fresh = keys(f"{name}.fresh", entries)
     asked = [key for pair in zip(stored, fresh, strict=True) for key in pair]
-    text = json.dumps([ANSWER[0], ANSWER[1]])
+    text = value_text(ANSWER)
     with tempfile.TemporaryDirectory() as folder:
         tier = DiskTier(Path(folder, "tier"), MAX_BYTES, None, Metrics(2.0))
         plain = diskcache.Cache(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import diskcache
+import orjson
 from diskcache.core import DBNAME, MODE_RAW
 
 from api.metrics import Metrics
@@ -172,7 +173,7 @@ class DiskTier:
 
     def _rows(self, keys: list[str]) -> dict[str, tuple[int, Any]]:
         """Per key found and not expired, its row's mode and value."""
-        cursor = self._reader().execute(READ_QUERY, (json.dumps(keys), time.time()))
+        cursor = self._reader().execute(READ_QUERY, (orjson.dumps(keys).decode(), time.time()))
         return {key: (mode, value) for key, mode, value in cursor}
 
     def _reader(self) -> sqlite3.Connection:
@@ -235,12 +236,12 @@ class DiskTier:
         and the least recently stored entries past the size limit, are removed."""
         now = time.time()
         # A key stored twice since the last commit keeps its latest entry, as in diskcache.
-        values = {key: json.dumps([entry[0], entry[1]]) for key, entry in pending}
+        values = {key: value_text(entry) for key, entry in pending}
         parameters = {
             "now": now,
             "expire": None if self.ttl_seconds is None else now + self.ttl_seconds,
             "mode": MODE_RAW,
-            "entries": json.dumps(values),
+            "entries": orjson.dumps(values).decode(),
         }
         try:
             writer = self._writer_connection()
@@ -271,6 +272,13 @@ class DiskTier:
         for connection in self._connections:
             connection.close()
         self._cache.close()
+
+
+def value_text(entry: Entry) -> str:
+    """The text a row keeps for an entry: its probabilities and logits, a JSON array of two
+    arrays. orjson, not json: the writer holds the GIL while it writes them (the event loop
+    waits), and the standard library writes floats ~15 times slower."""
+    return orjson.dumps(entry).decode()
 
 
 def _entry(row: tuple[int, Any] | None) -> Entry | Rejected | None:
