@@ -280,7 +280,8 @@ class Batcher(Generic[Result]):
                 if row.started:
                     continue  # in the running batch
                 if row.waiters > 0:
-                    ahead[len(row.ids)] -= 1
+                    queued = len(row.ids)
+                    ahead[queued] = ahead.get(queued, 0) - 1
             length = len(key[1])
             own[length] = own.get(length, 0) + 1
         running = self._running_batch
