@@ -158,32 +158,22 @@ def medians(runs: list[Round]) -> dict[str, float]:
 
 
 def report(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    lines = [
-        "# A front-end/model split served end to end, beside one process",
-        "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; load average at start {result['load_average_at_start']}. Written by "
-        "`make bench-split-served` (bench/split_served.py), which says how each layout is "
-        "started.",
-        "",
+    lines = layouts_report_head(
+        result,
+        "A front-end/model split served end to end, beside one process",
+        "`make bench-split-served` (bench/split_served.py), which says how each layout is started.",
         f"`make bench-frontend`'s simulated model; {result['clients']} wrk connections, "
         f"{result['seconds_per_run']} s a run; /health, then fresh one-text /predict; the "
         "layouts started afresh in each round, in turns. CPU µs a /predict from /proc: "
         "the one process's, or the split's front end's and model side's; KiB written to "
         "storage a /predict by the process that serves the model.",
-        "",
-        "| layout | round | /health req/s | /predict req/s | ratio | p99 ms | front end µs "
-        "| model side µs | disk KiB | statuses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for layout, runs in result["rounds"].items():
-        for number, r in enumerate(runs, start=1):
-            lines.append(
-                f"| {layout} | {number} | {r['health_rps']:,.0f} | {r['predict_rps']:,.0f} "
-                f"| {r['ratio']} | {r['p99_ms']} | {r['front_cpu_us']} "
-                f"| {r['model_side_cpu_us']} | {r['disk_write_kib']} | {r['statuses']} |"
-            )
+        [
+            ("p99 ms", lambda r: r["p99_ms"]),
+            ("front end µs", lambda r: r["front_cpu_us"]),
+            ("model side µs", lambda r: r["model_side_cpu_us"]),
+            ("disk KiB", lambda r: r["disk_write_kib"]),
+        ],
+    )
     lines.append("")
     for layout, m in result["medians"].items():
         split = LAYOUTS[layout][0]
@@ -195,16 +185,53 @@ def report(result: dict[str, Any]) -> str:
             f"{'front end' if split else 'process'}{model_side}, {m['disk_write_kib']} KiB "
             "written to storage."
         )
-    lines += [
-        "",
-        "What this says about the split is in [Benchmarks]"
-        "(../../benchmarks.md#front-end-one-text-requests).",
-    ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + SEE_BENCHMARKS) + "\n"
 
 
 def main() -> None:
     main_of("split_served", __doc__.split("\n\n")[0], run, report, seconds=10.0)
+
+
+# --- the report's shared parts, for this bench and bench.split_waits ----------------------
+
+# A round's figure in a report: its column's header, and how a round (its JSON) gives it.
+Column = tuple[str, Callable[[dict[str, Any]], object]]
+
+SEE_BENCHMARKS = [
+    "",
+    "What this says about the split is in [Benchmarks]"
+    "(../../benchmarks.md#front-end-one-text-requests).",
+]
+
+
+def layouts_report_head(
+    result: dict[str, Any], title: str, written_by: str, runs: str, columns: list[Column]
+) -> list[str]:
+    """The opening of a report of `run_layouts`' figures: its title; the date, machine and
+    load; what wrote it (`written_by`) and what it ran (`runs`); then a row a layout a round:
+    its /health and /predict rates and their ratio, `columns`, its statuses."""
+    m = result["machine"]
+    headers = " | ".join(header for header, _ in columns)
+    lines = [
+        f"# {title}",
+        "",
+        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
+        f"{m['python']}; load average at start {result['load_average_at_start']}. Written by "
+        f"{written_by}",
+        "",
+        runs,
+        "",
+        f"| layout | round | /health req/s | /predict req/s | ratio | {headers} | statuses |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(columns) + "---|",
+    ]
+    for layout, rounds in result["rounds"].items():
+        for number, r in enumerate(rounds, start=1):
+            cells = " | ".join(str(cell(r)) for _, cell in columns)
+            lines.append(
+                f"| {layout} | {number} | {r['health_rps']:,.0f} | {r['predict_rps']:,.0f} "
+                f"| {r['ratio']} | {cells} | {r['statuses']} |"
+            )
+    return lines
 
 
 # --- the rounds, for this bench and bench.split_waits -------------------------------------

@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.frontend import CLIENTS, fresh_env
-from bench.split_served import Layouts, main_of, per_second, run_layouts, warmed_health_rate
+from bench.split_served import (
+    SEE_BENCHMARKS,
+    Layouts,
+    layouts_report_head,
+    main_of,
+    per_second,
+    run_layouts,
+    warmed_health_rate,
+)
 from bench.throughput import FRESH_LUA, busy_cpu_seconds, process_cpu_seconds, wrk
 
 CORES = os.cpu_count() or 1  # /proc/stat's first line counts every online core
@@ -129,33 +137,23 @@ def per_process(values: list[float]) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    lines = [
-        "# Where one-text requests wait: one process and the split",
-        "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; load average at start {result['load_average_at_start']}. Written by "
+    lines = layouts_report_head(
+        result,
+        "Where one-text requests wait: one process and the split",
         "`make bench-split-waits` (bench/split_waits.py), which says what each figure reads.",
-        "",
         f"`make bench-frontend`'s simulated model, default caches; {result['clients']} wrk "
         f"connections, {result['seconds_per_run']} s a run; /health, then fresh one-text "
         "/predict, over which the figures are read; the layouts started afresh in each round, "
         "in turns. Per server process (the one process, or the split's front end / model "
         "side): its event loop's cores, the share of the run its loop was ready to run but "
         "waited for a core, and its other threads' cores.",
-        "",
-        "| layout | round | /health req/s | /predict req/s | ratio | machine idle | loop cores "
-        "| loop waiting for a core | other threads' cores | statuses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for layout, runs in result["rounds"].items():
-        for number, r in enumerate(runs, start=1):
-            lines.append(
-                f"| {layout} | {number} | {r['health_rps']:,.0f} | {r['predict_rps']:,.0f} "
-                f"| {r['ratio']} | {r['machine_idle']} | {per_process(r['loop_cores'])} "
-                f"| {per_process(r['loop_waiting'])} "
-                f"| {per_process(r['other_threads_cores'])} | {r['statuses']} |"
-            )
+        [
+            ("machine idle", lambda r: r["machine_idle"]),
+            ("loop cores", lambda r: per_process(r["loop_cores"])),
+            ("loop waiting for a core", lambda r: per_process(r["loop_waiting"])),
+            ("other threads' cores", lambda r: per_process(r["other_threads_cores"])),
+        ],
+    )
     lines += [
         "",
         "Medians of the rounds:",
@@ -170,12 +168,7 @@ def report(result: dict[str, Any]) -> str:
             f"| {per_process(md['loop_cores'])} | {per_process(md['loop_waiting'])} "
             f"| {per_process(md['other_threads_cores'])} |"
         )
-    lines += [
-        "",
-        "What this says about the split is in [Benchmarks]"
-        "(../../benchmarks.md#front-end-one-text-requests).",
-    ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + SEE_BENCHMARKS) + "\n"
 
 
 def main() -> None:
