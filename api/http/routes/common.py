@@ -36,7 +36,8 @@ State = Annotated[ServiceState, Depends(service_state)]
 class ScoresResponse(Response):
     """A JSON answer written by orjson: an answer's scores are floats, which the standard
     library's encoder writes ~15 times slower. Scores are finite (the predictor fails a
-    row that is not), so nothing needs JSON's refusal of NaN."""
+    row that is not), so nothing needs JSON's refusal of NaN. (FastAPI's ORJSONResponse
+    is this, deprecated there in favour of response models, which these routes skip.)"""
 
     media_type = "application/json"
 
