@@ -92,7 +92,7 @@ bench-throughput: $(BENCH_INSTALLED)
 bench-tracing: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.tracing
 
-## bench-frontend: one-text /predict against /health on a simulated device, CPU per request by stage
+## bench-frontend: one-text /predict against /health on a simulated device, in one process and split, CPU per request by stage
 bench-frontend: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.frontend
 

@@ -1,32 +1,36 @@
 """The service's own work per request on the model path, at one text a request, with a device
-fast enough never to be the limit: what caps one process whatever the GPU can do.
+fast enough never to be the limit: what caps the service whatever the GPU can do, in one
+process and split in two.
 
 Run: `python -m bench.frontend` (or `make bench-frontend`); `--quick` is a smoke run of about
-half a minute that writes into bench/out/frontend-quick/ instead. It needs `wrk` and `py-spy`
+a minute that writes into bench/out/frontend-quick/ instead. It needs `wrk` and `py-spy`
 (the project's `bench` extra; `make bench-frontend` installs both). Writes
 bench/reports/frontend.{md,json}. In one run:
 
-- the real server process (`python -m api.cli`, default settings but LOG_LEVEL=warning: no
-  access line a request) with a models file holding only a simulated model (`simulated:` in
-  the models file: the embedded base's tokenizer, no weights, each batch answered after
-  sleeping SIMULATED's 0.5 ms + 0.1 µs a token);
+- the real server (default settings but LOG_LEVEL=warning: no access line a request) with a
+  models file holding only a simulated model (`simulated:` in the models file: the embedded
+  base's tokenizer, no weights, each batch answered after sleeping SIMULATED's 0.5 ms + 0.1 µs
+  a token), in two layouts: **one process** (`python -m api.cli`), and **the split**
+  (`python -m api.cli` with SPLIT_SOCKET, the model side, and `python -m api.cli front-end` on
+  the same socket: HTTP and /predict's lifecycle apart from the model path, api/http/split);
 - `/health` and fresh one-text `/predict` requests (texts never sent before, so no cache tier
   answers: bench/wrk/fresh.lua) from 64 wrk connections, alternating for a few rounds: the
   requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
 - in the same rounds, `/predict` of one text the in-process cache holds (one body,
-  bench/wrk/predict.lua): the route, the lifecycle and the cache without the model path,
-  which is what a front-end process apart from the model would keep of a fresh `/predict`;
+  bench/wrk/predict.lua): the route, the lifecycle and the cache without the model path;
 - CPU time and waits (voluntary context switches) per request of each of the server's
-  threads (/proc/<pid>/task/*/stat and status, named through `py-spy dump`), in the same runs;
+  threads, all its processes' (/proc/<pid>/task/*/stat and status, named through
+  `py-spy dump`), in the same runs;
 - a profile of one more /predict run by `py-spy record` (raw folded stacks, threads on a
-  CPU): each sample goes to the stage of its innermost frame that names one (see RULES), and
-  each thread's CPU time in that run (/proc) is shared out by its samples. Profiled, the
-  server runs slower; the shares, not that run's rate, are the point.
+  CPU), one recorder a process: each sample goes to the stage of its innermost frame that
+  names one (see RULES), and each thread's CPU time in that run (/proc) is shared out by its
+  samples. Profiled, the server runs slower; the shares, not that run's rate, are the point.
 
-Each round starts the server afresh (one process kept its rates ~10 % above or below another's
-for its whole life). With `--base <revision>` that revision's server (a git worktree under
-bench/out/) takes turns with this checkout's in every round, and each is profiled: the report
-adds both, before and after, as measured in the same run.
+Each round starts each server afresh (one process kept its rates ~10 % above or below
+another's for its whole life). With `--base <revision>` that revision's servers (a git worktree
+under bench/out/; one process only, for a revision without the split) take turns with this
+checkout's in every round, and each is profiled: the report adds both, before and after, as
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ import json
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -86,6 +92,13 @@ TARGET_RATIO = 0.6
 TARGET_P99_MS = 50.0
 PROFILE_RATE = 250  # samples a second per thread on a CPU
 LOAD_WAIT_SECONDS = 900  # at most, for the 1-min load average to come down to 1
+FRONT_END = ("api.cli", "front-end")
+# How the service is laid out: in one process, or split into a front end (HTTP and the
+# request's lifecycle) and a model side (everything else) on one Unix socket.
+ONE_PROCESS, SPLIT = "one process", "split"
+# A layout's processes by label: "" for the one process (its threads need no prefix), or the
+# split's "front end" and "model side".
+Processes = dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -240,18 +253,19 @@ def cpu_by_stage(samples: dict[int, Counter[str]], cpu: dict[int, float]) -> Cou
 
 
 def load_point(
-    route: str, url: str, pid: int, seconds: float, script: Path, env: dict[str, str]
+    route: str, url: str, processes: Processes, seconds: float, script: Path, env: dict[str, str]
 ) -> LoadPoint:
-    """One wrk run of `CLIENTS` connections, with the server's CPU by thread around it."""
-    names = thread_names(pid)
+    """One wrk run of `CLIENTS` connections, with the server's CPU by thread around it (all
+    its processes': the split's two)."""
+    names = thread_labels(processes)
     server_url = url.removesuffix("/health")
     batches_before = scrape(server_url)
-    threads_before, cpu_before = thread_cpu_seconds(pid), process_cpu_seconds(pid)
-    waits_before = thread_waits(pid)
+    threads_before, cpu_before = threads_cpu(processes), cpu_seconds(processes)
+    waits_before = threads_waits(processes)
     client_before = children_cpu_seconds()
     summary = wrk(url, CLIENTS, seconds, script, env)
-    threads_after, cpu_after = thread_cpu_seconds(pid), process_cpu_seconds(pid)
-    waits = waits_per_request(waits_before, thread_waits(pid), names, summary["requests"])
+    threads_after, cpu_after = threads_cpu(processes), cpu_seconds(processes)
+    waits = waits_per_request(waits_before, threads_waits(processes), names, summary["requests"])
     client_used = children_cpu_seconds() - client_before
     batches = {k: v - batches_before[k] for k, v in scrape(server_url).items()}
     requests, duration = summary["requests"], summary["duration_us"] / 1e6
@@ -282,35 +296,102 @@ def load_point(
     )
 
 
+# --- the server's processes and threads -----------------------------------------------------
+
+
+def thread_labels(processes: Processes) -> dict[int, str]:
+    """Native thread id -> its row in the report: the Python thread's name (the kernel's,
+    marked native, for a thread that runs no Python), after its process's label in the
+    split, whose two processes have threads of the same names."""
+    labels: dict[int, str] = {}
+    for label, pid in processes.items():
+        python = thread_names(pid)
+        for tid, (comm, _) in thread_cpu_seconds(pid).items():
+            name = python.get(tid) or f"{comm} (native)"
+            labels[tid] = f"{label}: {name}" if label else name
+    return labels
+
+
+def threads_cpu(processes: Processes) -> dict[int, tuple[str, float]]:
+    """Every thread of the server's processes: its command name and CPU seconds (thread ids
+    are the system's, never shared between processes)."""
+    return {tid: cpu for pid in processes.values() for tid, cpu in thread_cpu_seconds(pid).items()}
+
+
+def threads_waits(processes: Processes) -> dict[int, int]:
+    """Every thread of the server's processes: its voluntary context switches."""
+    return {tid: count for pid in processes.values() for tid, count in thread_waits(pid).items()}
+
+
+def cpu_seconds(processes: Processes) -> float:
+    """The server's processes' CPU seconds, together."""
+    return sum(process_cpu_seconds(pid) for pid in processes.values())
+
+
 def fresh_env(texts: Path) -> dict[str, str]:
     """fresh.lua's settings: one text a request, prefixed so that no run repeats one."""
     return {"TEXTS": str(texts), "TEXTS_PER": "1", "RUN": uuid.uuid4().hex[:8]}
 
 
-def profile(url: str, pid: int, seconds: float, texts: Path, raw_path: Path) -> dict[str, Any]:
-    """A /predict run under `py-spy record` (its raw stacks written to `raw_path`); the
-    server's CPU by stage and by thread."""
+def profile(
+    url: str, processes: Processes, seconds: float, texts: Path, raw: Path
+) -> dict[str, Any]:
+    """A /predict run under `py-spy record`, one recorder a process (raw stacks written to
+    `raw`-<label>.txt); the server's CPU by stage, all its processes' together and, in the
+    split, each one's; its samples by thread."""
+    recorders = {
+        label: record(pid, seconds, raw.with_name(f"{raw.name}{'-' if label else ''}{label}.txt"))
+        for label, pid in processes.items()
+    }
+    time.sleep(0.5)  # attached before the load starts
+    names = thread_labels(processes)
+    before = {label: thread_cpu_seconds(pid) for label, pid in processes.items()}
+    summary = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
+    after = {label: thread_cpu_seconds(pid) for label, pid in processes.items()}
+    requests = summary["requests"]
+    all_stages: Counter[str] = Counter()
+    each: dict[str, dict[str, Any]] = {}
+    thread_samples: dict[str, int] = {}
+    for label, (recorder, raw_path) in recorders.items():
+        _, errors = recorder.communicate(timeout=seconds + 60)
+        if recorder.returncode != 0 or not raw_path.exists():
+            raise RuntimeError(f"py-spy record failed ({recorder.returncode}): {errors.decode()}")
+        samples = fold(raw_path.read_text(encoding="utf-8"))
+        used = {
+            tid: spent - before[label].get(tid, ("", 0.0))[1]
+            for tid, (_, spent) in after[label].items()
+        }
+        stages = cpu_by_stage(samples, {tid: cpu for tid, cpu in used.items() if cpu > 0})
+        all_stages.update(stages)
+        each[label] = stage_figures(stages, requests)
+        for tid, counts in samples.items():
+            thread_samples[names.get(tid, str(tid))] = sum(counts.values())
+    found = {
+        "requests": requests,
+        "requests_per_s": round(requests / (summary["duration_us"] / 1e6), 1),
+        "samples": sum(thread_samples.values()),
+        **stage_figures(all_stages, requests),
+        "thread_samples": thread_samples,
+    }
+    if len(processes) > 1:
+        found["processes"] = each
+    return found
+
+
+def record(pid: int, seconds: float, raw_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """`py-spy record` of one process over the next `seconds` (and one more), started."""
     command = [PY_SPY, "record", "--pid", str(pid), "--duration", str(round(seconds) + 1)]
     command += ["--rate", str(PROFILE_RATE), "--format", "raw", "--threads"]
     command += ["--full-filenames", "--nonblocking", "--output", str(raw_path)]
     recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(0.5)  # attached before the load starts
-    names = thread_names(pid)
-    before = thread_cpu_seconds(pid)
-    summary = wrk(url, CLIENTS, seconds, FRESH_LUA, fresh_env(texts))
-    after = thread_cpu_seconds(pid)
-    _, errors = recorder.communicate(timeout=seconds + 60)
-    if recorder.returncode != 0 or not raw_path.exists():
-        raise RuntimeError(f"py-spy record failed ({recorder.returncode}): {errors.decode()}")
-    samples = fold(raw_path.read_text(encoding="utf-8"))
-    cpu = {tid: seconds - before.get(tid, ("", 0.0))[1] for tid, (_, seconds) in after.items()}
-    stages = cpu_by_stage(samples, {tid: used for tid, used in cpu.items() if used > 0})
-    requests = summary["requests"]
+    return recorder, raw_path
+
+
+def stage_figures(stages: Counter[str], requests: int) -> dict[str, Any]:
+    """CPU seconds by stage as the report gives them: each stage's share and µs a request,
+    and the µs a request of all of them."""
     total = sum(stages.values()) or 1.0
     return {
-        "requests": requests,
-        "requests_per_s": round(requests / (summary["duration_us"] / 1e6), 1),
-        "samples": sum(sum(counts.values()) for counts in samples.values()),
         "server_cpu_us_per_request": round(1e6 * total / max(requests, 1), 1),
         "stages": {
             stage: {
@@ -319,9 +400,6 @@ def profile(url: str, pid: int, seconds: float, texts: Path, raw_path: Path) -> 
             }
             for stage in STAGES
             if stages[stage]
-        },
-        "thread_samples": {
-            names.get(tid, str(tid)): sum(counts.values()) for tid, counts in samples.items()
         },
     }
 
@@ -336,12 +414,58 @@ def write_models_file(folder: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Served:
+    """A server of one layout, up: where to ask it, and its processes."""
+
+    url: str
+    processes: Processes
+
+
+@contextmanager
+def served(layout: str, name: str, env: dict[str, str], code: Path) -> Iterator[Served]:
+    """The server of `layout` from the checkout `code`: the one process, or the split."""
+    if layout == SPLIT:
+        with split_server(f"frontend-{name}", env, {}, code) as (url, front_end, model_side):
+            yield Served(url, {"front end": front_end, "model side": model_side})
+    else:
+        with server(f"frontend-{name}", env, threads=1, code=code) as target:
+            yield Served(target.url, {"": target.pid})
+
+
+@contextmanager
+def split_server(
+    name: str, env: dict[str, str], model_env: dict[str, str], code: Path = REPO
+) -> Iterator[tuple[str, int, int]]:
+    """The split as the service runs it: the model side (`loraserve` with SPLIT_SOCKET,
+    `model_env` added to its settings), then its front end (`loraserve front-end` on the same
+    socket), each a server as bench.throughput starts one; the front end's URL and the two
+    processes' ids."""
+    with tempfile.TemporaryDirectory() as folder:
+        socket = {"SPLIT_SOCKET": str(Path(folder) / "model.sock")}
+        with (
+            server(
+                f"{name}-model", {**env, **model_env, **socket}, threads=1, code=code
+            ) as model_side,
+            server(
+                f"{name}-front", {**env, **socket}, threads=1, code=code, module=FRONT_END
+            ) as front_end,
+        ):
+            yield front_end.url, front_end.pid, model_side.pid
+
+
+def layouts_of(code: Path) -> tuple[str, ...]:
+    """The layouts a checkout can run: the split from the revision that has it."""
+    has_split = (code / "api" / "http" / "split" / "front_end.py").is_file()
+    return (ONE_PROCESS, SPLIT) if has_split else (ONE_PROCESS,)
+
+
 def run(
     seconds: float, rounds: int, profile_seconds: float, out: Path, base: str | None = None
 ) -> dict[str, Any]:
-    """The measurements of this checkout's server ("head"), and with `base`, of that
-    revision's server too, up beside it: each round runs each server's /health and /predict,
-    the servers' order alternating, so that a drift of the machine hits both alike."""
+    """The measurements of this checkout's server ("head") in each layout, and with `base`,
+    of that revision's too, up beside it: each round runs each server's /health and /predict,
+    the servers' order rotating, so that a drift of the machine hits all alike."""
     for tool in ("wrk", PY_SPY):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed: `make bench-frontend` installs it")
@@ -360,31 +484,45 @@ def run(
     base_commit = None
     if base is not None:
         code["base"], base_commit = checkout(base)
+    servers = [(name, layout) for name in code for layout in layouts_of(code[name])]
     load_at_start = wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]  # the last runs' tail
-    health: dict[str, list[LoadPoint]] = {name: [] for name in code}
-    predict: dict[str, list[LoadPoint]] = {name: [] for name in code}
-    cached: dict[str, list[LoadPoint]] = {name: [] for name in code}
-    profiled: dict[str, dict[str, Any]] = {}
-    names = list(code)
+    health: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
+    predict: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
+    cached: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
+    profiled: dict[tuple[str, str], dict[str, Any]] = {}
     for number in range(rounds):
-        # Each revision's server is started afresh in every round: one server process kept
-        # its rates ~10 % above or below another's for its whole life.
-        for name in in_turn(names, number):
-            with server(f"frontend-{name}", env, threads=1, code=code[name]) as target:
-                url, pid = target.url, target.pid
+        # Each server is started afresh in every round: one server process kept its rates
+        # ~10 % above or below another's for its whole life.
+        for key in in_turn(servers, number):
+            name, layout = key
+            with served(layout, name, env, code[name]) as target:
+                url, processes = target.url, target.processes
                 wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
                 wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
                 wrk(url, CLIENTS, 1, LUA, cached_env)  # its first request fills the cache
-                health[name].append(
-                    load_point("/health", f"{url}/health", pid, seconds, HEALTH_LUA, {})
+                health[key].append(
+                    load_point("/health", f"{url}/health", processes, seconds, HEALTH_LUA, {})
                 )
-                predict[name].append(
-                    load_point("/predict", url, pid, seconds, FRESH_LUA, fresh_env(texts))
+                predict[key].append(
+                    load_point("/predict", url, processes, seconds, FRESH_LUA, fresh_env(texts))
                 )
-                cached[name].append(load_point(CACHED_ROUTE, url, pid, seconds, LUA, cached_env))
+                cached[key].append(
+                    load_point(CACHED_ROUTE, url, processes, seconds, LUA, cached_env)
+                )
                 if number == rounds - 1:
-                    raw_path = scratch / f"profile-{name}.txt"
-                    profiled[name] = profile(url, pid, profile_seconds, texts, raw_path)
+                    raw = scratch / f"profile-{name}-{layout.replace(' ', '-')}"
+                    profiled[key] = profile(url, processes, profile_seconds, texts, raw)
+
+    def of(key: tuple[str, str]) -> dict[str, Any]:
+        return summary(health[key], predict[key], cached[key], profiled[key])
+
+    def layout_summaries(name: str) -> dict[str, Any]:
+        """A revision's one process at the top, its split (where it has one) under "split"."""
+        found = of((name, ONE_PROCESS))
+        if (name, SPLIT) in profiled:
+            found[SPLIT] = of((name, SPLIT))
+        return found
+
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {**machine(), "py_spy": version("py-spy")},
@@ -392,14 +530,14 @@ def run(
         "clients": CLIENTS,
         "seconds_per_run": seconds,
         "simulated": SIMULATED,
-        **summary(health["head"], predict["head"], cached["head"], profiled["head"]),
+        **layout_summaries("head"),
         "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
     }
     if base_commit is not None:
         result["base"] = {
             "revision": base_commit,
             "head": head_description(),
-            **summary(health["base"], predict["base"], cached["base"], profiled["base"]),
+            **layout_summaries("base"),
         }
     return result
 
@@ -436,11 +574,17 @@ def summary(
     }
 
 
+LAYOUT_TITLES = {
+    ONE_PROCESS: "One process",
+    SPLIT: "The split: the front end and the model side apart",
+}
+
+
 def report(result: dict[str, Any]) -> str:
     """The Markdown report of one run."""
-    m, h, p = result["machine"], result["median_round"]["health"], result["median_round"]["predict"]
-    c = result["median_round"]["cached"]
-    prof = result["profile"]
+    m = result["machine"]
+    layouts = {ONE_PROCESS: result, **({SPLIT: result[SPLIT]} if SPLIT in result else {})}
+    target = result["targets"]
     lines = [
         "# Front end: one text a request on a simulated device",
         "",
@@ -453,7 +597,44 @@ def report(result: dict[str, Any]) -> str:
         f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health, "
         "/predict and the cached /predict in turn; /predict sends one text never sent before "
         "a request, the cached one the same text every time (of the fresh ones' median "
-        "length), which the in-process cache holds.",
+        "length), which the in-process cache holds. Two layouts, each started afresh in each "
+        "round, in turns: **one process** (`loraserve`), and **the split** (`loraserve` with "
+        "`SPLIT_SOCKET`, the model side, and `loraserve front-end` on the same socket, which "
+        "serves HTTP and runs /predict's lifecycle up to the model side's `classify`). A "
+        "layout's server CPU is all its processes'.",
+        "",
+        "## Against the target",
+        "",
+        f"/predict's rate at ≥ {target['ratio']} of /health's in the same round (the median "
+        f"of the rounds), p99 < {target['p99_ms']} ms (the median round's).",
+        "",
+        "| layout | /health req/s | /predict req/s | ratio | ratio of each round | p99 ms "
+        "| server CPU µs a /predict | meets the target |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for layout, found in layouts.items():
+        h, p = found["median_round"]["health"], found["median_round"]["predict"]
+        met = found["ratio"] >= target["ratio"] and p["p99_ms"] < target["p99_ms"]
+        lines.append(
+            f"| {layout} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
+            f"| **{found['ratio']}** | {found['ratios']} | {p['p99_ms']} "
+            f"| {found['predict_cpu_us_median']} | {'yes' if met else 'no'} |"
+        )
+    for layout, found in layouts.items():
+        lines += layout_section(LAYOUT_TITLES[layout], found)
+    if "base" in result:
+        lines += comparison(result)
+    return "\n".join(lines) + "\n"
+
+
+def layout_section(title: str, found: dict[str, Any]) -> list[str]:
+    """One layout's median round by route, its cached /predict, its device, its CPU by stage
+    and by thread."""
+    h, p, c = (found["median_round"][route] for route in ("health", "predict", "cached"))
+    prof = found["profile"]
+    lines = [
+        "",
+        f"## {title}",
         "",
         "| route | req/s | p50 ms | p99 ms | statuses | server CPU µs/request | server cores "
         "| server waits/request | wrk CPU µs/request |",
@@ -470,40 +651,43 @@ def report(result: dict[str, Any]) -> str:
         "",
         "Server waits: the kernel's voluntary context switches of the server's threads a "
         "request, each a thread giving up its core to wait (for the GIL, a lock, a sleep).",
-    ]
-    target = result["targets"]
-    lines += [
         "",
-        f"/predict at **{result['ratio']}** of /health's rate (median of the rounds "
-        f"{result['ratios']}; target ≥ {target['ratio']}), p99 {p['p99_ms']} ms (target < "
-        f"{target['p99_ms']} ms).",
-        "",
-        f"{CACHED_ROUTE} at **{result['cached_ratio']}** of /health's rate (median of the "
-        f"rounds {result['cached_ratios']}; {result['cached_cpu_us_median']} µs of server CPU "
-        f"a request against {result['predict_cpu_us_median']} for a fresh one): the HTTP "
+        f"{CACHED_ROUTE} at **{found['cached_ratio']}** of /health's rate (median of the "
+        f"rounds {found['cached_ratios']}; {found['cached_cpu_us_median']} µs of server CPU "
+        f"a request against {found['predict_cpu_us_median']} for a fresh one): the HTTP "
         "server, the route, the lifecycle and the cache, without the model path (tokenizing, "
-        "admission, the batcher, the batch worker, the disk tier), which is what a front-end "
-        "process apart from the model would keep of a /predict, before its hop to the model.",
+        "admission, the batcher, the batch worker, the disk tier).",
         "",
-        f"In that /predict run the declared device slept {p['device_busy']:.0%} of the time "
-        f"(batches of {p['batch_rows']} texts on average), and the batch worker took "
-        f"{p['worker_busy']:.0%} of it for its forwards: the sleeps, the scores, and its waits "
-        "for the GIL, which the event loop holds while it works.",
+        f"In the median round's /predict run the declared device slept {p['device_busy']:.0%} "
+        f"of the time (batches of {p['batch_rows']} texts on average), and the batch worker "
+        f"took {p['worker_busy']:.0%} of it for its forwards: the sleeps, the scores, and its "
+        "waits for the GIL, which the event loop holds while it works.",
         "",
-        "## CPU per /predict request by stage",
+        "### CPU per /predict request by stage",
         "",
         f"py-spy, {prof['samples']} samples over a profiled run ({prof['requests_per_s']:,.0f} "
         f"req/s while profiled; {prof['server_cpu_us_per_request']} µs of server CPU a "
         "request): each thread's CPU time from /proc, shared out by its samples' stages.",
         "",
-        "| stage | share | CPU µs/request |",
-        "|---|---|---|",
+    ]
+    processes: dict[str, dict[str, Any]] = prof.get("processes", {})
+    headers = "".join(f" {label} µs |" for label in processes)
+    lines += [
+        f"| stage | share | CPU µs/request |{headers}",
+        "|---|---|---|" + "---|" * len(processes),
     ]
     for stage, values in sorted(prof["stages"].items(), key=lambda item: -item[1]["share"]):
-        lines.append(f"| {stage} | {values['share']:.1%} | {values['cpu_us_per_request']} |")
+        cells = "".join(
+            f" {each['stages'].get(stage, {}).get('cpu_us_per_request', 0.0)} |"
+            for each in processes.values()
+        )
+        lines.append(f"| {stage} | {values['share']:.1%} | {values['cpu_us_per_request']} |{cells}")
+    if processes:
+        cells = "".join(f" {each['server_cpu_us_per_request']} |" for each in processes.values())
+        lines.append(f"| all | 100% | {prof['server_cpu_us_per_request']} |{cells}")
     lines += [
         "",
-        "## CPU per request by thread (/proc, the median round)",
+        "### CPU per request by thread (/proc, the median round)",
         "",
         "| thread | /health µs | /predict µs |",
         "|---|---|---|",
@@ -514,9 +698,7 @@ def report(result: dict[str, Any]) -> str:
             f"| {name} | {h['thread_cpu_us_per_request'].get(name, 0.0)} | "
             f"{p['thread_cpu_us_per_request'].get(name, 0.0)} |"
         )
-    if "base" in result:
-        lines += comparison(result)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def comparison(result: dict[str, Any]) -> list[str]:
@@ -526,25 +708,28 @@ def comparison(result: dict[str, Any]) -> list[str]:
         "",
         f"## Before and after: {base['revision']} and {base['head']}, in this run",
         "",
-        f"Each revision's server started afresh in each of the {len(base['ratios'])} rounds, "
-        "the two taking turns (the median round's rates and p99; the ratio and the server CPU "
-        "a /predict are medians of the rounds; each revision's own profiled run, in the last "
-        "round, for the stages).",
+        f"Each revision's servers started afresh in each of the {len(base['ratios'])} rounds, "
+        "all taking turns (the median round's rates and p99; the ratio and the server CPU "
+        "a /predict are medians of the rounds; each server's own profiled run, in the last "
+        "round, for the stages). A revision without the split runs in one process only.",
         "",
-        "| | /health req/s | /predict req/s | ratio | ratio of each round | /predict p99 ms "
-        "| server CPU µs a /predict | cached ratio |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        "| revision | layout | /health req/s | /predict req/s | ratio | ratio of each round "
+        "| /predict p99 ms | server CPU µs a /predict | cached ratio |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name, found in ((base["revision"], base), (base["head"], result)):
-        h, p = found["median_round"]["health"], found["median_round"]["predict"]
-        lines.append(
-            f"| {name} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
-            f"| {found['ratio']} | {found['ratios']} | {p['p99_ms']} "
-            f"| {found['predict_cpu_us_median']} | {found['cached_ratio']} |"
-        )
+        for layout, each in ((ONE_PROCESS, found), (SPLIT, found.get(SPLIT))):
+            if each is None:
+                continue
+            h, p = each["median_round"]["health"], each["median_round"]["predict"]
+            lines.append(
+                f"| {name} | {layout} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
+                f"| {each['ratio']} | {each['ratios']} | {p['p99_ms']} "
+                f"| {each['predict_cpu_us_median']} | {each['cached_ratio']} |"
+            )
     lines += [
         "",
-        "CPU µs a /predict by thread (/proc, medians of the rounds):",
+        "One process, CPU µs a /predict by thread (/proc, medians of the rounds):",
         "",
         f"| thread | {base['revision']} | {base['head']} |",
         "|---|---:|---:|",
@@ -555,6 +740,8 @@ def comparison(result: dict[str, Any]) -> list[str]:
         lines.append(f"| {thread} | {was} | {now} |")
     before, after = base["profile"]["stages"], result["profile"]["stages"]
     lines += [
+        "",
+        "One process, CPU µs a /predict by stage (each revision's profiled run):",
         "",
         "| stage | before µs/request | after µs/request |",
         "|---|---:|---:|",

@@ -28,15 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from bench.frontend import CLIENTS, HEALTH_LUA, TARGET_RATIO, fresh_env, write_models_file
+from bench.frontend import (
+    CLIENTS,
+    HEALTH_LUA,
+    TARGET_RATIO,
+    fresh_env,
+    split_server,
+    write_models_file,
+)
 from bench.report_files import write_report
 from bench.throughput import (
     FRESH_LUA,
@@ -57,7 +62,6 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 LOAD_WAIT_SECONDS = 900
-FRONT_END = ("api.cli", "front-end")
 DISK_TIER_OFF = {"DISK_CACHE_MAX_BYTES": "0"}
 REPEATED_TEXTS = {"DISK_CACHE_ADMISSION": "repeated"}
 # Each layout: split or not, and the settings of the process that serves the model.
@@ -70,21 +74,6 @@ LAYOUTS: Layouts = {
     "split, disk tier off": (True, DISK_TIER_OFF),
     "split, disk tier writes repeated texts": (True, REPEATED_TEXTS),
 }
-
-
-@contextmanager
-def split_server(
-    name: str, env: dict[str, str], model_env: dict[str, str]
-) -> Iterator[tuple[str, int, int]]:
-    """The model side (`model_env` added to its settings), then its front end, each a server
-    as bench.throughput starts one; the front end's URL and the two processes' ids."""
-    with tempfile.TemporaryDirectory() as folder:
-        socket = {"SPLIT_SOCKET": str(Path(folder) / "model.sock")}
-        with (
-            server(f"{name}-model", {**env, **model_env, **socket}, threads=1) as model_side,
-            server(f"{name}-front", {**env, **socket}, threads=1, module=FRONT_END) as front_end,
-        ):
-            yield front_end.url, front_end.pid, model_side.pid
 
 
 # --- the measurement ----------------------------------------------------------------------

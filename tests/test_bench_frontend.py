@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -16,9 +17,13 @@ from bench.frontend import (
     CACHED_ROUTE,
     NATIVE,
     QUEUE,
+    SPLIT,
+    TARGET_P99_MS,
+    TARGET_RATIO,
     LoadPoint,
     cpu_by_stage,
     fold,
+    report,
     stage_of,
     summary,
 )
@@ -81,14 +86,14 @@ def test_each_threads_cpu_time_is_shared_out_by_its_samples() -> None:
     )
 
 
-def load_point(route: str, rate: float, cpu_us: float) -> LoadPoint:
+def load_point(route: str, rate: float, cpu_us: float, p99_ms: float = 2.0) -> LoadPoint:
     return LoadPoint(
         route=route,
         seconds=10.0,
         requests=int(rate * 10),
         requests_per_s=rate,
         p50_ms=1.0,
-        p99_ms=2.0,
+        p99_ms=p99_ms,
         statuses={"200": int(rate * 10)},
         socket_errors=0,
         server_cpu_us_per_request=cpu_us,
@@ -125,3 +130,66 @@ def test_waits_are_counted_per_request_by_thread_from_proc() -> None:
     before, after = {11: 5, 12: 3}, {11: 9, 12: 3, 13: 2}
     found = waits_per_request(before, after, {11: "MainThread"}, requests=2)
     assert found == {"MainThread": 2.0, "13 (native)": 1.0}  # thread 12 made none
+
+
+def profiled(stages: dict[str, float], processes: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """A profile as bench.frontend.profile gives one: CPU µs a request by stage."""
+
+    def figures(each: dict[str, float]) -> dict[str, Any]:
+        total = sum(each.values())
+        return {
+            "server_cpu_us_per_request": total,
+            "stages": {
+                stage: {"share": us / total, "cpu_us_per_request": us} for stage, us in each.items()
+            },
+        }
+
+    found = {"requests": 1000, "requests_per_s": 1000.0, "samples": 500, **figures(stages)}
+    if processes:
+        found["processes"] = {label: figures(each) for label, each in processes.items()}
+    return found
+
+
+def layout(ratios: list[float], p99_ms: float, profile: dict[str, Any]) -> dict[str, Any]:
+    health = [load_point("/health", 1000.0, 100.0) for _ in ratios]
+    fresh = [load_point("/predict", 1000.0 * ratio, 300.0, p99_ms) for ratio in ratios]
+    cached = [load_point(CACHED_ROUTE, 900.0, 120.0) for _ in ratios]
+    return summary(health, fresh, cached, profile)
+
+
+def verdicts(text: str) -> dict[str, str]:
+    """Each layout's 'meets the target' cell in the report's first table."""
+    rows = text.split("## Against the target")[1].split("\n## ")[0].splitlines()
+    cells = [row.strip("|").split("|") for row in rows if row.startswith("| ")]
+    return {cell[0].strip(): cell[-1].strip() for cell in cells[1:]}
+
+
+def test_each_layout_is_judged_against_the_target_and_the_split_by_process() -> None:
+    assert (TARGET_RATIO, TARGET_P99_MS) == (0.6, 50.0)
+    one = profiled({"tokenizing": 60.0, "HTTP server (uvicorn)": 40.0}, {})
+    split = profiled(
+        {"tokenizing": 60.0, "HTTP server (uvicorn)": 45.0},
+        {"front end": {"HTTP server (uvicorn)": 45.0}, "model side": {"tokenizing": 60.0}},
+    )
+    result: dict[str, Any] = {
+        "date": "2026-11-29T00:00:00+00:00",
+        "machine": {"cpu": "cpu", "cores": 2, "ram_gib": 24, "python": "3.11", "client": "wrk"},
+        "load_average_at_start": 0.1,
+        "clients": 64,
+        "seconds_per_run": 10.0,
+        "simulated": {"seconds_per_batch": 0.0005, "seconds_per_token": 1e-07},
+        "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
+    }
+    result["machine"]["py_spy"] = "0.4"
+    # One process short of the ratio; the split past it in the median round, not in all.
+    result.update(layout([0.45, 0.5, 0.48], 30.0, one))
+    result[SPLIT] = layout([0.58, 0.62, 0.61], 30.0, split)
+    text = report(result)
+    assert verdicts(text) == {"one process": "no", "split": "yes"}
+    # The split's stages come by process: the model side's tokenizing, the front end's HTTP.
+    assert "| stage | share | CPU µs/request | front end µs | model side µs |" in text
+    assert "| tokenizing | 57.1% | 60.0 | 0.0 | 60.0 |" in text
+    assert "| all | 100% | 105.0 | 45.0 | 60.0 |" in text
+    # Past the ratio but not under the p99 target: not met.
+    result[SPLIT] = layout([0.62, 0.63, 0.61], 55.0, split)
+    assert verdicts(report(result)) == {"one process": "no", "split": "no"}

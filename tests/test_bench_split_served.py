@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx
 
-from bench.frontend import write_models_file
-from bench.split_served import split_server
+from bench.frontend import split_server, write_models_file
 from bench.throughput import server
 
 ANSWER_HEADERS = ("x-model", "x-adapter", "x-answered-by", "x-cache")
