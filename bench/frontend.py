@@ -340,7 +340,7 @@ def profile(
     `raw`-<label>.txt); the server's CPU by stage, all its processes' together and, in the
     split, each one's; its samples by thread."""
     recorders = {
-        label: record(pid, seconds, raw.with_name(f"{raw.name}{'-' if label else ''}{label}.txt"))
+        label: record(pid, seconds, raw.with_name(f"{raw.name}{label_suffix(label)}.txt"))
         for label, pid in processes.items()
     }
     time.sleep(0.5)  # attached before the load starts
@@ -351,7 +351,7 @@ def profile(
     requests = summary["requests"]
     all_stages: Counter[str] = Counter()
     each: dict[str, dict[str, Any]] = {}
-    thread_samples: dict[str, int] = {}
+    thread_samples: Counter[str] = Counter()  # threads of one name together
     for label, (recorder, raw_path) in recorders.items():
         _, errors = recorder.communicate(timeout=seconds + 60)
         if recorder.returncode != 0 or not raw_path.exists():
@@ -365,17 +365,22 @@ def profile(
         all_stages.update(stages)
         each[label] = stage_figures(stages, requests)
         for tid, counts in samples.items():
-            thread_samples[names.get(tid, str(tid))] = sum(counts.values())
+            thread_samples[names.get(tid, str(tid))] += sum(counts.values())
     found = {
         "requests": requests,
         "requests_per_s": round(requests / (summary["duration_us"] / 1e6), 1),
         "samples": sum(thread_samples.values()),
         **stage_figures(all_stages, requests),
-        "thread_samples": thread_samples,
+        "thread_samples": dict(thread_samples),
     }
     if len(processes) > 1:
         found["processes"] = each
     return found
+
+
+def label_suffix(label: str) -> str:
+    """What a process's label adds to its file names: "-front-end", or nothing."""
+    return f"-{label.replace(' ', '-')}" if label else ""
 
 
 def record(pid: int, seconds: float, raw_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
