@@ -428,13 +428,16 @@ class Served:
 
 
 @contextmanager
-def served(layout: str, name: str, env: dict[str, str], code: Path) -> Iterator[Served]:
-    """The server of `layout` from the checkout `code`: the one process, or the split."""
-    if layout == SPLIT:
-        with split_server(f"frontend-{name}", env, {}, code) as (url, front_end, model_side):
+def served(
+    split: bool, name: str, env: dict[str, str], model_env: dict[str, str], code: Path = REPO
+) -> Iterator[Served]:
+    """The server from the checkout `code`, split or in one process, `model_env` added to the
+    settings of the process that serves the model. Its processes come front end first."""
+    if split:
+        with split_server(name, env, model_env, code) as (url, front_end, model_side):
             yield Served(url, {"front end": front_end, "model side": model_side})
     else:
-        with server(f"frontend-{name}", env, threads=1, code=code) as target:
+        with server(name, {**env, **model_env}, threads=1, code=code) as target:
             yield Served(target.url, {"": target.pid})
 
 
@@ -500,7 +503,7 @@ def run(
         # ~10 % above or below another's for its whole life.
         for key in in_turn(servers, number):
             name, layout = key
-            with served(layout, name, env, code[name]) as target:
+            with served(layout == SPLIT, f"frontend-{name}", env, {}, code[name]) as target:
                 url, processes = target.url, target.processes
                 wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
                 wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})

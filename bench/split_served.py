@@ -39,7 +39,7 @@ from bench.frontend import (
     HEALTH_LUA,
     TARGET_RATIO,
     fresh_env,
-    split_server,
+    served,
     write_models_file,
 )
 from bench.report_files import write_report
@@ -51,7 +51,6 @@ from bench.throughput import (
     in_turn,
     process_cpu_seconds,
     sample_texts,
-    server,
     wait_for_quiet,
     write_literals,
     wrk,
@@ -249,12 +248,9 @@ def run_layouts(
         # A rotating order, so that a drift of the machine hits every layout alike.
         for layout in in_turn(names, number):
             split, model_env = layouts[layout]
-            if split:
-                with split_server(name, env, model_env) as (url, front, model_side):
-                    found[layout].append(measure(url, (front, model_side), seconds, texts))
-            else:
-                with server(f"{name}-one", {**env, **model_env}, threads=1) as target:
-                    found[layout].append(measure(target.url, (target.pid,), seconds, texts))
+            with served(split, name, env, model_env) as target:
+                pids = tuple(target.processes.values())
+                found[layout].append(measure(target.url, pids, seconds, texts))
             print(layout, json.dumps(asdict(found[layout][-1])), flush=True)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
