@@ -591,7 +591,7 @@ LAYOUT_TITLES = {
 def report(result: dict[str, Any]) -> str:
     """The Markdown report of one run."""
     m = result["machine"]
-    layouts = {ONE_PROCESS: result, **({SPLIT: result[SPLIT]} if SPLIT in result else {})}
+    layouts = layouts_of_run(result)
     target = result["targets"]
     lines = [
         "# Front end: one text a request on a simulated device",
@@ -633,6 +633,12 @@ def report(result: dict[str, Any]) -> str:
     if "base" in result:
         lines += comparison(result)
     return "\n".join(lines) + "\n"
+
+
+def layouts_of_run(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A revision's figures by layout: its one process's at the top of `found`, its split's
+    (where it has one) under "split"."""
+    return {ONE_PROCESS: found, **({SPLIT: found[SPLIT]} if SPLIT in found else {})}
 
 
 def layout_section(title: str, found: dict[str, Any]) -> list[str]:
@@ -726,9 +732,7 @@ def comparison(result: dict[str, Any]) -> list[str]:
         "|---|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name, found in ((base["revision"], base), (base["head"], result)):
-        for layout, each in ((ONE_PROCESS, found), (SPLIT, found.get(SPLIT))):
-            if each is None:
-                continue
+        for layout, each in layouts_of_run(found).items():
             h, p = each["median_round"]["health"], each["median_round"]["predict"]
             lines.append(
                 f"| {name} | {layout} | {h['requests_per_s']:,.0f} | {p['requests_per_s']:,.0f} "
