@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from api.cpus import CpuPinningError, format_cpu_list, pin_process
 from api.observability import tracing
 from api.observability.logs import configure_logging
 from api.observability.tracing import TracingConfigError
@@ -215,6 +216,25 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(args)
 
 
+def pinned_as_set(settings: Settings, front_end: bool) -> bool:
+    """This process on the CPUs its setting names (FRONT_END_CPUS for a front end, else
+    MODEL_CPUS), if set; False, logged, when they cannot be had."""
+    cpus, setting = (
+        (settings.front_end_cpus, "FRONT_END_CPUS")
+        if front_end
+        else (settings.model_cpus, "MODEL_CPUS")
+    )
+    if cpus is None:
+        return True
+    try:
+        pin_process(cpus, setting)
+    except CpuPinningError as exc:
+        logger.critical("loraserve: %s", exc)
+        return False
+    logger.info("running on CPUs %s (%s)", format_cpu_list(cpus), setting)
+    return True
+
+
 def serve(front_end: bool = False) -> int:
     """Serves the models file's models (or, as a `front_end`, the HTTP of those served on
     SPLIT_SOCKET) until stopped; the exit status says how it ended."""
@@ -259,7 +279,9 @@ def serve(front_end: bool = False) -> int:
         server.front_end = child
         try:
             if child is not None:
-                child.start()
+                child.start()  # before this process is pinned: a child inherits its CPUs
+            if not pinned_as_set(settings, front_end):
+                return EXIT_BAD_SETTINGS
             server.run()
         finally:
             if child is not None:

@@ -16,6 +16,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from api.cpus import parse_cpu_list
+
 ADAPTER_DIR_SUFFIX = "_ADAPTER_DIR"
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -97,7 +99,10 @@ class Settings(BaseSettings):
         "auto", description="Where models run: auto picks cuda when present, else cpu."
     )
     torch_num_threads: int | None = Field(
-        None, ge=1, description="Intra-op threads for torch on CPU; unset uses every core."
+        None,
+        ge=1,
+        description="Intra-op threads for torch on CPU; unset uses every core (MODEL_CPUS's, "
+        "when set).",
     )
     warmup: bool = Field(
         True, description="Run the largest batches the batcher can form after loading."
@@ -154,6 +159,18 @@ class Settings(BaseSettings):
         description="A Unix socket for the front-end/model split: `loraserve` (the model "
         "side) also answers `loraserve front-end` processes on it, and a front end reaches "
         "the models through it. Put it in a folder only the service's user can open.",
+    )
+    model_cpus: Annotated[frozenset[int] | None, NoDecode] = Field(
+        None,
+        description="The CPUs the process serving the models runs on (the model side of the "
+        "split, or the one process), as Linux lists them (0-3,8); unset: wherever the OS "
+        "schedules it. Apart from FRONT_END_CPUS, the split's two processes stop taking each "
+        "other's cores (see docs/scaling.md).",
+    )
+    front_end_cpus: Annotated[frozenset[int] | None, NoDecode] = Field(
+        None,
+        description="The CPUs `loraserve front-end` runs on, as for MODEL_CPUS; unset: "
+        "wherever the OS schedules it.",
     )
     split_front_end: bool = Field(
         False,
@@ -344,6 +361,15 @@ class Settings(BaseSettings):
     )
 
     @property
+    def torch_threads(self) -> int | None:
+        """torch's intra-op threads: TORCH_NUM_THREADS, else one a CPU of MODEL_CPUS (torch
+        counted every core when it was imported, before the process was pinned), else None:
+        torch's own count."""
+        if self.torch_num_threads is not None:
+            return self.torch_num_threads
+        return None if self.model_cpus is None else len(self.model_cpus)
+
+    @property
     def hub_cache(self) -> Path | None:
         """Where hub ids resolve: TRANSFORMERS_CACHE, else HF_HOME/hub, else the library's."""
         if self.transformers_cache is not None:
@@ -371,6 +397,13 @@ class Settings(BaseSettings):
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()] or None
+        return value
+
+    @field_validator("model_cpus", "front_end_cpus", mode="before")
+    @classmethod
+    def _cpu_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return parse_cpu_list(value) if value.strip() else None
         return value
 
     @field_validator("redis_url")

@@ -10,9 +10,11 @@ bench/reports/frontend.{md,json}. In one run:
 - the real server (default settings but LOG_LEVEL=warning: no access line a request) with a
   models file holding only a simulated model (`simulated:` in the models file: the embedded
   base's tokenizer, no weights, each batch answered after sleeping SIMULATED's 0.5 ms + 0.1 µs
-  a token), in two layouts: **one process** (`python -m api.cli`), and **the split**
+  a token), in three layouts: **one process** (`python -m api.cli`), **the split**
   (`python -m api.cli` with SPLIT_SOCKET, the model side, and `python -m api.cli front-end` on
-  the same socket: HTTP and /predict's lifecycle apart from the model path, api/http/split);
+  the same socket: HTTP and /predict's lifecycle apart from the model path, api/http/split),
+  and **the split, pinned**: the same with FRONT_END_CPUS on the machine's first CPU and
+  MODEL_CPUS on the others (`pinned_cpus`);
 - `/health` and fresh one-text `/predict` requests (texts never sent before, so no cache tier
   answers: bench/wrk/fresh.lua) from 64 wrk connections, alternating for a few rounds: the
   requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -95,7 +98,8 @@ LOAD_WAIT_SECONDS = 900  # at most, for the 1-min load average to come down to 1
 FRONT_END = ("api.cli", "front-end")
 # How the service is laid out: in one process, or split into a front end (HTTP and the
 # request's lifecycle) and a model side (everything else) on one Unix socket.
-ONE_PROCESS, SPLIT = "one process", "split"
+ONE_PROCESS, SPLIT, SPLIT_PINNED = "one process", "split", "split, pinned"
+SPLITS = (SPLIT, SPLIT_PINNED)
 # A layout's processes by label: "" for the one process (its threads need no prefix), or the
 # split's "front end" and "model side".
 Processes = dict[str, int]
@@ -463,9 +467,24 @@ def split_server(
 
 
 def layouts_of(code: Path) -> tuple[str, ...]:
-    """The layouts a checkout can run: the split from the revision that has it."""
+    """The layouts a checkout can run: the split, and the split pinned, from the revisions
+    that have them."""
     has_split = (code / "api" / "http" / "split" / "front_end.py").is_file()
-    return (ONE_PROCESS, SPLIT) if has_split else (ONE_PROCESS,)
+    pins = (code / "api" / "cpus.py").is_file()
+    return (ONE_PROCESS, *((SPLIT,) if has_split else ()), *((SPLIT_PINNED,) if pins else ()))
+
+
+def pinned_cpus() -> dict[str, str]:
+    """The pinned split's settings: its front end on the first CPU this process may use, its
+    model side on the others (on one CPU, both on it)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    model_side = cpus[1:] or cpus
+    return {"FRONT_END_CPUS": str(cpus[0]), "MODEL_CPUS": ",".join(map(str, model_side))}
+
+
+def layout_env(layout: str) -> dict[str, str]:
+    """The settings a layout adds to both of its processes."""
+    return pinned_cpus() if layout == SPLIT_PINNED else {}
 
 
 def run(
@@ -503,7 +522,8 @@ def run(
         # ~10 % above or below another's for its whole life.
         for key in in_turn(servers, number):
             name, layout = key
-            with served(layout == SPLIT, f"frontend-{name}", env, {}, code[name]) as target:
+            split, pins = layout in SPLITS, layout_env(layout)
+            with served(split, f"frontend-{name}", {**env, **pins}, {}, code[name]) as target:
                 url, processes = target.url, target.processes
                 wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
                 wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
@@ -525,10 +545,12 @@ def run(
         return summary(health[key], predict[key], cached[key], profiled[key])
 
     def layout_summaries(name: str) -> dict[str, Any]:
-        """A revision's one process at the top, its split (where it has one) under "split"."""
+        """A revision's one process at the top, its splits (where it has them) under their
+        layouts' names."""
         found = of((name, ONE_PROCESS))
-        if (name, SPLIT) in profiled:
-            found[SPLIT] = of((name, SPLIT))
+        for layout in SPLITS:
+            if (name, layout) in profiled:
+                found[layout] = of((name, layout))
         return found
 
     result = {
@@ -539,6 +561,7 @@ def run(
         "seconds_per_run": seconds,
         "simulated": SIMULATED,
         **layout_summaries("head"),
+        **({"pinned_cpus": pinned_cpus()} if SPLIT_PINNED in layouts_of(REPO) else {}),
         "targets": {"ratio": TARGET_RATIO, "p99_ms": TARGET_P99_MS},
     }
     if base_commit is not None:
@@ -585,6 +608,7 @@ def summary(
 LAYOUT_TITLES = {
     ONE_PROCESS: "One process",
     SPLIT: "The split: the front end and the model side apart",
+    SPLIT_PINNED: "The split, pinned: each process on its own CPUs",
 }
 
 
@@ -592,6 +616,8 @@ def report(result: dict[str, Any]) -> str:
     """The Markdown report of one run."""
     m = result["machine"]
     layouts = layouts_of_run(result)
+    pinned = result.get("pinned_cpus")
+    pins = None if pinned is None else " and ".join(f"`{k}={v}`" for k, v in pinned.items())
     target = result["targets"]
     lines = [
         "# Front end: one text a request on a simulated device",
@@ -605,11 +631,19 @@ def report(result: dict[str, Any]) -> str:
         f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health, "
         "/predict and the cached /predict in turn; /predict sends one text never sent before "
         "a request, the cached one the same text every time (of the fresh ones' median "
-        "length), which the in-process cache holds. Two layouts, each started afresh in each "
-        "round, in turns: **one process** (`loraserve`), and **the split** (`loraserve` with "
-        "`SPLIT_SOCKET`, the model side, and `loraserve front-end` on the same socket, which "
-        "serves HTTP and runs /predict's lifecycle up to the model side's `classify`). A "
-        "layout's server CPU is all its processes'.",
+        f"length), which the in-process cache holds. {'Two' if pins is None else 'Three'} "
+        "layouts, each"
+        " started afresh in each round, in turns: **one process** (`loraserve`), "
+        f"{'and ' if pins is None else ''}**the split** (`loraserve` with `SPLIT_SOCKET`, the "
+        "model side, and `loraserve front-end` on the same socket, which serves HTTP and runs "
+        "/predict's lifecycle up to the model side's `classify`)"
+        + (
+            ""
+            if pins is None
+            else f", and **the split, pinned**: the same with {pins}, each process on CPUs of "
+            "its own (wrk on any)"
+        )
+        + ". A layout's server CPU is all its processes'.",
         "",
         "## Against the target",
         "",
@@ -636,9 +670,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def layouts_of_run(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A revision's figures by layout: its one process's at the top of `found`, its split's
-    (where it has one) under "split"."""
-    return {ONE_PROCESS: found, **({SPLIT: found[SPLIT]} if SPLIT in found else {})}
+    """A revision's figures by layout: its one process's at the top of `found`, its splits'
+    (where it has them) under their layouts' names."""
+    return {ONE_PROCESS: found, **{layout: found[layout] for layout in SPLITS if layout in found}}
 
 
 def layout_section(title: str, found: dict[str, Any]) -> list[str]:

@@ -18,6 +18,7 @@ from bench.frontend import (
     NATIVE,
     QUEUE,
     SPLIT,
+    SPLIT_PINNED,
     TARGET_P99_MS,
     TARGET_RATIO,
     LoadPoint,
@@ -193,3 +194,10 @@ def test_each_layout_is_judged_against_the_target_and_the_split_by_process() -> 
     # Past the ratio but not under the p99 target: not met.
     result[SPLIT] = layout([0.62, 0.63, 0.61], 55.0, split)
     assert verdicts(report(result)) == {"one process": "no", "split": "no"}
+    # The pinned split is a layout of its own, its CPUs named.
+    result[SPLIT_PINNED] = layout([0.66, 0.64, 0.65], 20.0, split)
+    result["pinned_cpus"] = {"FRONT_END_CPUS": "0", "MODEL_CPUS": "1"}
+    text = report(result)
+    assert verdicts(text) == {"one process": "no", "split": "no", "split, pinned": "yes"}
+    assert "the split, pinned**: the same with `FRONT_END_CPUS=0` and `MODEL_CPUS=1`" in text
+    assert "## The split, pinned: each process on its own CPUs" in text

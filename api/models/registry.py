@@ -133,8 +133,8 @@ class Registry:
     def load_all(self) -> None:
         """Loads and warms every model; the first failure is raised (loaded in parallel, once
         all have stopped)."""
-        if self.settings.torch_num_threads is not None:
-            torch.set_num_threads(self.settings.torch_num_threads)
+        if self.settings.torch_threads is not None:
+            torch.set_num_threads(self.settings.torch_threads)
         # What writers killed at an earlier start (of any replica sharing the cache) left.
         sweep_stale_staging(self.settings.model_cache_folder)
         if self._shares_a_gpu_budget():
