@@ -162,10 +162,10 @@ class Settings(BaseSettings):
     )
     model_cpus: Annotated[frozenset[int] | None, NoDecode] = Field(
         None,
-        description="The CPUs the process serving the models runs on (the model side of the "
-        "split, or the one process), as Linux lists them (0-3,8); unset: wherever the OS "
-        "schedules it. Apart from FRONT_END_CPUS, the split's two processes stop taking each "
-        "other's cores (see docs/scaling.md).",
+        description="The CPUs the process holding the models runs on (the model side of the "
+        "split, the one process, or `loraserve score` and `evaluate` without --url), as Linux "
+        "lists them (0-3,8); unset: wherever the OS schedules it. Apart from FRONT_END_CPUS, "
+        "the split's two processes stop taking each other's cores (see docs/scaling.md).",
     )
     front_end_cpus: Annotated[frozenset[int] | None, NoDecode] = Field(
         None,

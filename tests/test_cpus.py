@@ -12,6 +12,7 @@ import pytest
 
 from api.cpus import format_cpu_list, parse_cpu_list
 from api.settings import SettingsError, load_settings
+from tests.batch_cli import cli_env, read_jsonl, run_cli
 from tests.server_process import run_server
 from tests.tiny_models import simulated_entry, write_models_file
 
@@ -130,3 +131,17 @@ def test_cpus_a_process_cannot_have_stop_it_at_start(tmp_path: Path, cpus: str, 
         assert service.process.wait(timeout=120) == 2
     log = service.log()
     assert said in log and format_cpu_list(AVAILABLE) in log
+
+
+def test_scoring_a_file_in_process_runs_on_model_cpus(tmp_path: Path) -> None:
+    models = write_models_file(tmp_path / "models.yaml", [simulated_entry()])
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "win a prize now"}\n{"text": "see you at lunch"}\n')
+    output = tmp_path / "scored.jsonl"
+    pinned = cli_env(models, tmp_path, MODEL_CPUS=str(AVAILABLE[-1]))
+    scored = run_cli(pinned, tmp_path, "score", texts, "-o", output)
+    assert scored.returncode == 0, scored.stderr
+    assert len(read_jsonl(output)[1]) == 2
+    refused = run_cli(cli_env(models, tmp_path, MODEL_CPUS="8191"), tmp_path, "score", texts)
+    assert refused.returncode == 2
+    assert "MODEL_CPUS=8191: Invalid argument; this process may run on CPUs" in refused.stderr

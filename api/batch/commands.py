@@ -26,6 +26,7 @@ from api.batch.report import can_plot, draw_plots, markdown, terminal_table
 from api.batch.rows import Columns, Format, InputError, Row, count_rows, read_rows
 from api.batch.run import Run, Tally, score_file
 from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
+from api.cpus import CpuPinningError, pin_process
 from api.models.spec import ModelsFileError, load_models_file
 from api.serving.cascade import CascadeError
 from api.settings import SettingsError, load_settings
@@ -150,7 +151,14 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    except (SettingsError, ModelsFileError, CascadeError, UsageError, InputError) as exc:
+    except (
+        SettingsError,
+        CpuPinningError,
+        ModelsFileError,
+        CascadeError,
+        UsageError,
+        InputError,
+    ) as exc:
         return fail(str(exc), EXIT_USAGE)
     except (OutputError, StartFailed, ScoringFailed) as exc:
         return fail(str(exc))
@@ -173,6 +181,8 @@ async def _local(use_cache: bool) -> AsyncIterator[Source]:
     from api.models.tokenizing import keep_tokenizers_serial
 
     settings = load_settings()
+    if settings.model_cpus is not None:  # as the service's process holding the models
+        pin_process(settings.model_cpus, "MODEL_CPUS")
     quiet_libraries()
     keep_tokenizers_serial()
     async with local_service(
