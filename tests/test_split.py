@@ -300,10 +300,18 @@ def test_a_trace_runs_from_the_front_end_into_the_model_side(tmp_path: Path) -> 
                 assert httpx.post(f"{front_end.url}/predict", json=body).status_code == 200
                 assert httpx.get(f"{front_end.url}/models").status_code == 200
 
+                # Each process exports its spans on its own schedule: the front end's
+                # request spans end after the model side's answers, so they can come later.
                 def arrived(spans: list[ReceivedSpan]) -> bool:
                     names = {(span.service, span.name) for span in spans}
-                    wanted = {("model-side", "classify"), ("model-side", "GET /models")}
-                    return wanted <= names and ("model-side", "forward") in names
+                    wanted = {
+                        ("model-side", "classify"),
+                        ("model-side", "GET /models"),
+                        ("model-side", "forward"),
+                        ("front-end", "POST /predict"),
+                        ("front-end", "GET /models"),
+                    }
+                    return wanted <= names
 
                 spans = receiver.wait_for(arrived)
     by_name = {(span.service, span.name): span for span in spans}
