@@ -55,6 +55,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from api.cpus import format_cpu_list
 from bench.revisions import checkout, head_description
 from bench.threads import (
     PY_SPY,
@@ -479,7 +480,7 @@ def pinned_cpus() -> dict[str, str]:
     model side on the others (on one CPU, both on it)."""
     cpus = sorted(os.sched_getaffinity(0))
     model_side = cpus[1:] or cpus
-    return {"FRONT_END_CPUS": str(cpus[0]), "MODEL_CPUS": ",".join(map(str, model_side))}
+    return {"FRONT_END_CPUS": str(cpus[0]), "MODEL_CPUS": format_cpu_list(model_side)}
 
 
 def layout_env(layout: str) -> dict[str, str]:

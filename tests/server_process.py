@@ -18,6 +18,11 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes a process started, from the kernel's own list."""
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def free_port() -> int:
     """A port nothing listens on right now."""
     with socket.socket() as sock:

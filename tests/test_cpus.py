@@ -13,7 +13,7 @@ import pytest
 from api.cpus import format_cpu_list, parse_cpu_list
 from api.settings import SettingsError, load_settings
 from tests.batch_cli import cli_env, read_jsonl, run_cli
-from tests.server_process import run_server
+from tests.server_process import children_of, run_server
 from tests.tiny_models import simulated_entry, write_models_file
 
 AVAILABLE = sorted(os.sched_getaffinity(0))
@@ -73,10 +73,6 @@ def allowed_cpus(pid: int) -> dict[int, set[int]]:
         int(task.name): os.sched_getaffinity(int(task.name))
         for task in Path(f"/proc/{pid}/task").iterdir()
     }
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def simulated_env(folder: Path) -> dict[str, str]:

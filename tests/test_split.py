@@ -45,7 +45,7 @@ from tests.runtime_adapter_client import (
     reference,
     runtime_adapters,
 )
-from tests.server_process import ServerProcess, run_server
+from tests.server_process import ServerProcess, children_of, run_server
 from tests.tiny_models import (
     LABELS,
     TinyModel,
@@ -331,10 +331,6 @@ def test_the_front_end_answers_predict_directly(tmp_path: Path) -> None:
     (declared,) = [m for m in app.user_middleware if cast(object, m.cls) is DirectRoutes]
     routes = cast(list[OwnBodyRoute], declared.kwargs["routes"])
     assert sorted(route.path for route in routes) == ["/", "/predict"]
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def test_one_command_runs_the_split_and_drains_the_front_end_first(tmp_path: Path) -> None:
