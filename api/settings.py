@@ -245,10 +245,10 @@ class Settings(BaseSettings):
         None, gt=0, description="Disk entries expire after this long; unset keeps them."
     )
     disk_cache_admission: Literal["every", "repeated"] = Field(
-        "every",
-        description="Which answers the disk tier writes: every one, or `repeated`: a text's "
-        "from the second time this process stores it (one-off texts never written, for far "
-        "fewer disk writes when most texts come once; a restart forgets what was seen once).",
+        "repeated",
+        description="Which answers the disk tier writes: `repeated`, a text's from the second "
+        "time this process stores it (a one-off text is never written, and most of a "
+        "spam filter's texts come once; a restart forgets what was seen once), or `every` one.",
     )
 
     # --- shared cache tier (Redis), after the LRU and the disk ---

@@ -14,13 +14,13 @@ settings (bench/frontend.py):
   /predict and /health) and `loraserve front-end` on the same socket (HTTP, and /predict's
   lifecycle up to `classify`, which the model side does).
 
-Each layout runs with the disk tier on (the default) and off (`DISK_CACHE_MAX_BYTES=0` for
-the process that serves the model), and the split also with the disk tier writing repeated
-texts alone (`DISK_CACHE_ADMISSION=repeated`), five in all, in an order that rotates each
-round. In each: `/health`, then fresh one-text `/predict` (texts never sent before), 64 wrk
-connections; the ratio of the two rates, `/predict`'s p99, the CPU a request of the front end
-(or of the one process) and of the model side, and the bytes the process that serves the
-model wrote to storage a request, from /proc.
+Each layout runs with the disk tier on (the default: it writes repeated texts alone) and off
+(`DISK_CACHE_MAX_BYTES=0` for the process that serves the model), and the split also with the
+disk tier writing every text (`DISK_CACHE_ADMISSION=every`), five in all, in an order that
+rotates each round. In each: `/health`, then fresh one-text `/predict` (texts never sent
+before), 64 wrk connections; the ratio of the two rates, `/predict`'s p99, the CPU a request
+of the front end (or of the one process) and of the model side, and the bytes the process
+that serves the model wrote to storage a request, from /proc.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 LOAD_WAIT_SECONDS = 900
 DISK_TIER_OFF = {"DISK_CACHE_MAX_BYTES": "0"}
-REPEATED_TEXTS = {"DISK_CACHE_ADMISSION": "repeated"}
+EVERY_TEXT = {"DISK_CACHE_ADMISSION": "every"}
 # Each layout: split or not, and the settings of the process that serves the model.
 Layouts = dict[str, tuple[bool, dict[str, str]]]
 Measured = TypeVar("Measured", bound="DataclassInstance")
@@ -71,7 +71,7 @@ LAYOUTS: Layouts = {
     "split": (True, {}),
     "one process, disk tier off": (False, DISK_TIER_OFF),
     "split, disk tier off": (True, DISK_TIER_OFF),
-    "split, disk tier writes repeated texts": (True, REPEATED_TEXTS),
+    "split, disk tier writes every text": (True, EVERY_TEXT),
 }
 
 

@@ -64,7 +64,8 @@ def test_a_nan_row_fails_alone_in_its_batch(poisoned: TinyModel) -> None:
 
 def test_non_finite_scores_are_an_error_never_cached(poisoned: TinyModel, tmp_path: Path) -> None:
     spec = spec_for(poisoned, adapters=("spam",))
-    with serving([spec], tmp_path / "cache") as client:
+    # Every answer written: the finite one must reach the disk, the others never.
+    with serving([spec], tmp_path / "cache", disk_cache_admission="every") as client:
         first = client.post("/predict", json={"inputs": f"win {POISON} now"})
         again = client.post("/predict", json={"inputs": f"win {POISON} now"})
         fine = client.post("/predict", json={"inputs": "see you at lunch tomorrow"})

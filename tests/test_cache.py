@@ -77,7 +77,8 @@ def test_batch_mixes_hits_and_misses_in_order(tiny_bert: TinyModel, tmp_path: Pa
 
 
 def test_disk_tier_survives_a_restart(tiny_bert: TinyModel, tmp_path: Path) -> None:
-    with serving(tiny_bert, tmp_path / "cache") as client:
+    # Every answer written, so that one request leaves its answer on disk.
+    with serving(tiny_bert, tmp_path / "cache", disk_cache_admission="every") as client:
         before = client.post("/predict", json=TEXT)
     with serving(tiny_bert, tmp_path / "cache") as client:
         after = client.post("/predict", json=TEXT)
@@ -106,7 +107,7 @@ def test_changed_adapter_file_never_serves_the_old_answer(
 def test_corrupt_disk_entry_is_served_from_the_model_and_counted(
     tiny_bert: TinyModel, tmp_path: Path
 ) -> None:
-    with serving(tiny_bert, tmp_path / "cache") as client:
+    with serving(tiny_bert, tmp_path / "cache", disk_cache_admission="every") as client:
         good = client.post("/predict", json=TEXT).json()
     with diskcache.Cache(str(tmp_path / "cache")) as raw:
         (key,) = list(raw)

@@ -129,7 +129,8 @@ def test_an_answer_one_instance_computed_is_a_redis_hit_on_another(
     tiny_bert: TinyModel, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     spec = spec_for(tiny_bert, adapters=("spam",))
-    settings = redis_settings(redis_server)
+    # Every answer written to disk too, so that its key can be compared with Redis's.
+    settings = redis_settings(redis_server, disk_cache_admission="every")
     redis = redis_server.client()
     with (
         serving([spec], tmp_path / "disk-a", **settings) as first,

@@ -610,6 +610,7 @@ def test_disk_cache_faults_are_answered_from_the_model_and_counted(
             "MODELS_FILE": str(models),
             "LRU_CACHE_ENTRIES": "0",
             "DISK_CACHE_DIR": str(cache_dir),
+            "DISK_CACHE_ADMISSION": "every",  # a text's first answer on disk, or its fault
         }
         with run_server(env, tmp_path) as server:
             server.wait_ready()
