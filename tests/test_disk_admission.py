@@ -1,5 +1,5 @@
-"""DISK_CACHE_ADMISSION=repeated: the disk tier writes a text's answer from the second time
-this process stores it, never a one-off's; every answer is the model's all the same."""
+"""DISK_CACHE_ADMISSION=repeated, the default: the disk tier writes a text's answer from the
+second time this process stores it, never a one-off's; every answer is the model's all the same."""
 
 from __future__ import annotations
 
@@ -78,8 +78,9 @@ async def test_the_disk_tier_writes_a_key_from_its_second_store_and_counts_the_f
 def test_after_a_restart_the_disk_answers_the_repeated_text_alone(
     tiny_bert: TinyModel, tmp_path: Path
 ) -> None:
-    # The LRU off, so that each request reaches the disk tier and the model.
-    settings = {"disk_cache_admission": "repeated", "lru_cache_entries": 0}
+    # The default admission (repeated); the LRU off, so that each request reaches the disk
+    # tier and the model.
+    settings = {"lru_cache_entries": 0}
     spec = spec_for(tiny_bert, adapters=("spam",))
     once, twice = {"inputs": "lunch tomorrow?"}, {"inputs": "win a free prize now"}
     with serving([spec], tmp_path / "cache", ready_within=30, **settings) as client:
