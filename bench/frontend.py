@@ -10,11 +10,12 @@ bench/reports/frontend.{md,json}. In one run:
 - the real server (default settings but LOG_LEVEL=warning: no access line a request) with a
   models file holding only a simulated model (`simulated:` in the models file: the embedded
   base's tokenizer, no weights, each batch answered after sleeping SIMULATED's 0.5 ms + 0.1 µs
-  a token), in three layouts: **one process** (`python -m api.cli`), **the split**
+  a token), in four layouts: **one process** (`python -m api.cli`), **the split**
   (`python -m api.cli` with SPLIT_SOCKET, the model side, and `python -m api.cli front-end` on
   the same socket: HTTP and /predict's lifecycle apart from the model path, api/http/split),
-  and **the split, pinned**: the same with FRONT_END_CPUS on the machine's first CPU and
-  MODEL_CPUS on the others (`pinned_cpus`);
+  **the split, pinned**: the same with FRONT_END_CPUS on the machine's first CPU and
+  MODEL_CPUS on the others (`pinned_cpus`), and **the split, pinned, batches of 16**: the
+  pinned split with MAX_BATCH_SIZE=16 (SMALL_BATCHES);
 - `/health` and fresh one-text `/predict` requests (texts never sent before, so no cache tier
   answers: bench/wrk/fresh.lua) from 64 wrk connections, alternating for a few rounds: the
   requests/s of each, the ratio (median of the rounds'), and /predict's p50 and p99;
@@ -100,7 +101,11 @@ FRONT_END = ("api.cli", "front-end")
 # How the service is laid out: in one process, or split into a front end (HTTP and the
 # request's lifecycle) and a model side (everything else) on one Unix socket.
 ONE_PROCESS, SPLIT, SPLIT_PINNED = "one process", "split", "split, pinned"
-SPLITS = (SPLIT, SPLIT_PINNED)
+SPLIT_PINNED_SMALL_BATCHES = "split, pinned, batches of 16"
+SPLITS = (SPLIT, SPLIT_PINNED, SPLIT_PINNED_SMALL_BATCHES)
+# A quarter of CLIENTS: with a device this much faster than the front end, four batches in
+# flight kept each pinned process's core busier than two of 32 did (docs/benchmarks.md).
+SMALL_BATCHES = {"MAX_BATCH_SIZE": "16"}
 # A layout's processes by label: "" for the one process (its threads need no prefix), or the
 # split's "front end" and "model side".
 Processes = dict[str, int]
@@ -472,7 +477,8 @@ def layouts_of(code: Path) -> tuple[str, ...]:
     that have them."""
     has_split = (code / "api" / "http" / "split" / "front_end.py").is_file()
     pins = (code / "api" / "cpus.py").is_file()
-    return (ONE_PROCESS, *((SPLIT,) if has_split else ()), *((SPLIT_PINNED,) if pins else ()))
+    pinned = (SPLIT_PINNED, SPLIT_PINNED_SMALL_BATCHES) if pins else ()
+    return (ONE_PROCESS, *((SPLIT,) if has_split else ()), *pinned)
 
 
 def pinned_cpus() -> dict[str, str]:
@@ -485,6 +491,8 @@ def pinned_cpus() -> dict[str, str]:
 
 def layout_env(layout: str) -> dict[str, str]:
     """The settings a layout adds to both of its processes."""
+    if layout == SPLIT_PINNED_SMALL_BATCHES:
+        return {**pinned_cpus(), **SMALL_BATCHES}
     return pinned_cpus() if layout == SPLIT_PINNED else {}
 
 
@@ -610,7 +618,9 @@ LAYOUT_TITLES = {
     ONE_PROCESS: "One process",
     SPLIT: "The split: the front end and the model side apart",
     SPLIT_PINNED: "The split, pinned: each process on its own CPUs",
+    SPLIT_PINNED_SMALL_BATCHES: "The split, pinned, batches of 16",
 }
+LAYOUT_COUNTS = {2: "Two", 3: "Three", 4: "Four"}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -619,6 +629,7 @@ def report(result: dict[str, Any]) -> str:
     layouts = layouts_of_run(result)
     pinned = result.get("pinned_cpus")
     pins = None if pinned is None else " and ".join(f"`{k}={v}`" for k, v in pinned.items())
+    small_batches = SPLIT_PINNED_SMALL_BATCHES in layouts
     target = result["targets"]
     lines = [
         "# Front end: one text a request on a simulated device",
@@ -632,7 +643,7 @@ def report(result: dict[str, Any]) -> str:
         f"{result['clients']} wrk connections, {result['seconds_per_run']} s a run, /health, "
         "/predict and the cached /predict in turn; /predict sends one text never sent before "
         "a request, the cached one the same text every time (of the fresh ones' median "
-        f"length), which the in-process cache holds. {'Two' if pins is None else 'Three'} "
+        f"length), which the in-process cache holds. {LAYOUT_COUNTS[len(layouts)]} "
         "layouts, each"
         " started afresh in each round, in turns: **one process** (`loraserve`), "
         f"{'and ' if pins is None else ''}**the split** (`loraserve` with `SPLIT_SOCKET`, the "
@@ -641,8 +652,14 @@ def report(result: dict[str, Any]) -> str:
         + (
             ""
             if pins is None
-            else f", and **the split, pinned**: the same with {pins}, each process on CPUs of "
-            "its own (wrk on any)"
+            else f"{',' if small_batches else ', and'} **the split, pinned**: the same with "
+            f"{pins}, each process on CPUs of its own (wrk on any)"
+        )
+        + (
+            ", and **the split, pinned, batches of 16**: the pinned split with "
+            f"{' and '.join(f'`{k}={v}`' for k, v in SMALL_BATCHES.items())}"
+            if small_batches
+            else ""
         )
         + ". A layout's server CPU is all its processes'.",
         "",

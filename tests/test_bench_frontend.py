@@ -19,6 +19,7 @@ from bench.frontend import (
     QUEUE,
     SPLIT,
     SPLIT_PINNED,
+    SPLIT_PINNED_SMALL_BATCHES,
     TARGET_P99_MS,
     TARGET_RATIO,
     LoadPoint,
@@ -201,3 +202,19 @@ def test_each_layout_is_judged_against_the_target_and_the_split_by_process() -> 
     assert verdicts(text) == {"one process": "no", "split": "no", "split, pinned": "yes"}
     assert "the split, pinned**: the same with `FRONT_END_CPUS=0` and `MODEL_CPUS=1`" in text
     assert "## The split, pinned: each process on its own CPUs" in text
+    assert "Three layouts" in text and "batches of 16" not in text
+    # So is the pinned split with batches of 16, its setting named.
+    result[SPLIT_PINNED_SMALL_BATCHES] = layout([0.59, 0.58, 0.57], 20.0, split)
+    text = report(result)
+    assert verdicts(text) == {
+        "one process": "no",
+        "split": "no",
+        "split, pinned": "yes",
+        "split, pinned, batches of 16": "no",
+    }
+    assert "Four layouts" in text
+    assert (
+        "own (wrk on any), and **the split, pinned, batches of 16**: the pinned split with "
+        "`MAX_BATCH_SIZE=16`. A layout's server CPU"
+    ) in text
+    assert "## The split, pinned, batches of 16" in text
