@@ -623,13 +623,31 @@ LAYOUT_TITLES = {
 LAYOUT_COUNTS = {2: "Two", 3: "Three", 4: "Four"}
 
 
+def described(layouts: Iterable[str], pinned: dict[str, str] | None) -> str:
+    """The report's words for each layout of a run, as a list: `a, b, and c`."""
+    words = {
+        ONE_PROCESS: "**one process** (`loraserve`)",
+        SPLIT: "**the split** (`loraserve` with `SPLIT_SOCKET`, the model side, and `loraserve "
+        "front-end` on the same socket, which serves HTTP and runs /predict's lifecycle up to "
+        "the model side's `classify`)",
+        SPLIT_PINNED: f"**the split, pinned**: the same with {settings_named(pinned or {})}, "
+        "each process on CPUs of its own (wrk on any)",
+        SPLIT_PINNED_SMALL_BATCHES: "**the split, pinned, batches of 16**: the pinned split "
+        f"with {settings_named(SMALL_BATCHES)}",
+    }
+    *others, last = (words[layout] for layout in layouts)
+    return ", ".join([*others, f"and {last}"])
+
+
+def settings_named(settings: dict[str, str]) -> str:
+    """`NAME=value` and `NAME=value`, as the report names settings."""
+    return " and ".join(f"`{name}={value}`" for name, value in settings.items())
+
+
 def report(result: dict[str, Any]) -> str:
     """The Markdown report of one run."""
     m = result["machine"]
     layouts = layouts_of_run(result)
-    pinned = result.get("pinned_cpus")
-    pins = None if pinned is None else " and ".join(f"`{k}={v}`" for k, v in pinned.items())
-    small_batches = SPLIT_PINNED_SMALL_BATCHES in layouts
     target = result["targets"]
     lines = [
         "# Front end: one text a request on a simulated device",
@@ -644,24 +662,9 @@ def report(result: dict[str, Any]) -> str:
         "/predict and the cached /predict in turn; /predict sends one text never sent before "
         "a request, the cached one the same text every time (of the fresh ones' median "
         f"length), which the in-process cache holds. {LAYOUT_COUNTS[len(layouts)]} "
-        "layouts, each"
-        " started afresh in each round, in turns: **one process** (`loraserve`), "
-        f"{'and ' if pins is None else ''}**the split** (`loraserve` with `SPLIT_SOCKET`, the "
-        "model side, and `loraserve front-end` on the same socket, which serves HTTP and runs "
-        "/predict's lifecycle up to the model side's `classify`)"
-        + (
-            ""
-            if pins is None
-            else f"{',' if small_batches else ', and'} **the split, pinned**: the same with "
-            f"{pins}, each process on CPUs of its own (wrk on any)"
-        )
-        + (
-            ", and **the split, pinned, batches of 16**: the pinned split with "
-            f"{' and '.join(f'`{k}={v}`' for k, v in SMALL_BATCHES.items())}"
-            if small_batches
-            else ""
-        )
-        + ". A layout's server CPU is all its processes'.",
+        "layouts, each started afresh in each round, in turns: "
+        f"{described(layouts, result.get('pinned_cpus'))}. A layout's server CPU is all its "
+        "processes'.",
         "",
         "## Against the target",
         "",
