@@ -19,7 +19,7 @@ import uvicorn
 
 from api.cpus import CpuPinningError, format_cpu_list, pin_process
 from api.observability import tracing
-from api.observability.logs import configure_logging
+from api.observability.logs import configure_logging, quiet_libraries
 from api.observability.tracing import TracingConfigError
 from api.settings import Settings, SettingsError, load_settings
 
@@ -28,7 +28,7 @@ from api.settings import Settings, SettingsError, load_settings
 # those lines come out in LOG_FORMAT too.
 if TYPE_CHECKING:
     from api.http.split.child import FrontEndProcess
-    from api.http.state import ServiceState
+    from api.service.contract import Classifier
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Server(uvicorn.Server):
     has gone; a front end that dies on its own stops it with EXIT_FRONT_END_FAILED.
     """
 
-    service: ServiceState | None = None
+    service: Classifier | None = None
     fatal_error: BaseException | None = None
     drain_seconds: float = 10.0
     front_end: FrontEndProcess | None = None  # SPLIT_FRONT_END's child, stopped first
@@ -88,14 +88,13 @@ class Server(uvicorn.Server):
                 self.force_exit = True  # a second Ctrl-C stops without waiting
             self.should_exit = True
             return
-        from api.http.state import Phase
+        from api.service.contract import Phase
 
         service = self.service
         if service is None or service.phase is not Phase.READY:
             self.should_exit = True
             return
-        service.phase = Phase.DRAINING
-        service.metrics.ready.set(0)
+        service.begin_drain()
         loop = asyncio.get_event_loop()
         loop.call_soon_threadsafe(self._start_drain, loop)
 
@@ -103,7 +102,7 @@ class Server(uvicorn.Server):
         """Stops with `error` as the reason. After a fatal device error (/ready already 503)
         the requests in flight still get their answers, within the drain time, as on
         SIGTERM; a failed load stops at once. Called on the event loop."""
-        from api.http.app import DeviceFailed
+        from api.service.core import DeviceFailed
 
         self.fatal_error = error
         if isinstance(error, DeviceFailed) and self.service is not None and self._drain is None:
@@ -131,20 +130,6 @@ class Server(uvicorn.Server):
                 "drained in %.2f s: every accepted request answered", time.monotonic() - started
             )
         self.should_exit = True
-
-
-def quiet_libraries() -> None:
-    """transformers' load reports and progress bars say nothing the service does not log;
-    its errors go through the service's own handler (its own would write plain text)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-    # A line per HTTP request httpx makes: the split's forwards (each has its access line)
-    # and `loraserve score --url`'s chunks.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def build_server(
@@ -247,9 +232,9 @@ def serve(front_end: bool = False) -> int:
         logger.critical("loraserve: %s", exc)
         return EXIT_BAD_SETTINGS
     log_config = configure_logging(settings.log_level, settings.log_format)
-    from api.http.app import DeviceFailed
     from api.models.spec import ModelsFileError
     from api.models.tokenizing import keep_tokenizers_serial
+    from api.service.core import DeviceFailed
     from api.serving.cascade import CascadeError
 
     quiet_libraries()

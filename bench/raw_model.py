@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from api.cli import quiet_libraries
 from api.models.predictor import Predictor
 from api.models.registry import Registry
 from api.models.spec import load_models_file
+from api.observability.logs import quiet_libraries
 from api.serving.heap import ServingHeap
 from api.settings import load_settings
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from api.cli import quiet_libraries
 from api.models.loader import load_model
 from api.models.predictor import NonFiniteScores, Predictor, Scores
 from api.models.spec import load_models_file
+from api.observability.logs import quiet_libraries
 from api.settings import Settings
 from bench.timing import median_ms
 from scripts.spam_data import load_splits

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.cli import quiet_libraries
 from api.http.app import create_app
 from api.models.spec import AdapterSpec, ModelSpec
+from api.observability.logs import quiet_libraries
 from api.settings import Settings
 from tests.redis_server import RedisServer
 from tests.tiny_models import LABELS, TinyModel, build_tiny

@@ -12,12 +12,11 @@ from fastapi.testclient import TestClient
 from starlette.types import Message, Receive, Scope, Send
 
 from api.http.app import create_app
+from api.http.middleware.observer import RequestObserver
 from api.http.routes.common import OwnBodyRoute
-from api.http.state import Phase, ServiceState
-from api.metrics import Metrics
 from api.models.loader import PHASES
-from api.models.registry import Registry
-from api.observability.middleware import RequestObserver
+from api.service.contract import Phase
+from api.service.core import Service
 from tests.conftest import make_settings, spec_for, wait_ready
 from tests.tiny_models import TinyModel
 
@@ -187,12 +186,13 @@ def test_a_model_that_fails_to_load_fails_the_service(tiny_bert: TinyModel) -> N
 
 
 @pytest.mark.parametrize("phase", list(Phase))
-async def test_the_drain_waits_only_for_requests_accepted_before_it(phase: Phase) -> None:
+async def test_the_drain_waits_only_for_requests_accepted_before_it(
+    phase: Phase, tiny_bert: TinyModel
+) -> None:
     """A request arriving while the service drains (or has failed) is refused at once; were it
     counted, clients retrying through the drain would hold it open until DRAIN_SECONDS."""
-    settings = make_settings()
-    metrics = Metrics(settings.latency_target_seconds)
-    state = ServiceState(settings, Registry([], settings), metrics, phase=phase)
+    state = Service(make_settings(), [spec_for(tiny_bert)])  # not started: nothing loads
+    state.phase = phase
     counted: list[int] = []
 
     async def route(scope: Scope, receive: Receive, send: Send) -> None:

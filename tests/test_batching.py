@@ -15,10 +15,10 @@ from api.serving.batching import (
     BatchFailed,
     BatchLimits,
     BatchStats,
-    DeadlineExceeded,
     QueueFull,
     cheapest_group_of,
 )
+from api.serving.errors import DeadlineExceeded
 from tests.fake_predictor import FakePredictor
 
 

@@ -16,9 +16,10 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.http.app import create_app
-from api.http.errors import NotFound, install_error_handlers
+from api.http.errors import install_error_handlers
 from api.http.middleware.direct import DirectRoutes
 from api.http.routes.common import OwnBodyRoute, read_body
+from api.serving.errors import NotFound
 from tests.conftest import make_settings
 
 

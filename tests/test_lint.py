@@ -1,4 +1,5 @@
-"""ruff and mypy run with the suite, so style and types are checked wherever tests run."""
+"""ruff, mypy and the import graph's contracts run with the suite, so style, types and the
+way imports run are checked wherever tests run."""
 
 from __future__ import annotations
 
@@ -14,8 +15,15 @@ BIN = Path(sys.executable).parent
 
 @pytest.mark.parametrize(
     "command",
-    [["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy"]],
-    ids=["ruff-check", "ruff-format", "mypy"],
+    [
+        ["ruff", "check", "."],
+        ["ruff", "format", "--check", "."],
+        ["mypy"],
+        # pyproject.toml's [tool.importlinter]: no circle in api/, no door imported by the core
+        # or what it composes; a broken contract names the offending import and its line.
+        ["lint-imports", "--no-cache"],
+    ],
+    ids=["ruff-check", "ruff-format", "mypy", "import-graph"],
 )
 def test_code_is_clean(command: list[str]) -> None:
     result = subprocess.run(

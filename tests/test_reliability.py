@@ -42,7 +42,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from api.http.lifecycle import WATCH_AFTER_SECONDS
+from api.http.classifying import WATCH_AFTER_SECONDS
 from tests.conftest import SETTING_NAMES, wait_for
 from tests.load_client import metric
 from tests.server_process import ServerProcess, run_server

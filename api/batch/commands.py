@@ -18,7 +18,7 @@ from typing import IO, Any
 import httpx
 
 from api.batch.evaluation import Judged, disagreements, evaluate
-from api.batch.local import StartFailed, local_service
+from api.batch.local import local_service
 from api.batch.output import OutputError, Writer, header, open_output
 from api.batch.progress import Progress
 from api.batch.remote import remote_service
@@ -28,6 +28,7 @@ from api.batch.run import Run, Tally, score_file
 from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
 from api.cpus import CpuPinningError, pin_process
 from api.models.spec import ModelsFileError, load_models_file
+from api.service.core import StartFailed
 from api.serving.cascade import CascadeError
 from api.settings import SettingsError, load_settings
 
@@ -172,22 +173,21 @@ def service(args: argparse.Namespace) -> AbstractAsyncContextManager[Source]:
     """The models in this process, or a client of the server at --url."""
     if args.url:
         return remote_service(args.url, os.environ.get("API_KEY"), args.cache)
-    return _local(args.cache)
+    return _local(args.cache, args.batch_size)
 
 
 @asynccontextmanager
-async def _local(use_cache: bool) -> AsyncIterator[Source]:
-    from api.cli import quiet_libraries
+async def _local(use_cache: bool, batch_size: int) -> AsyncIterator[Source]:
     from api.models.tokenizing import keep_tokenizers_serial
+    from api.observability.logs import quiet_libraries
 
     settings = load_settings()
     if settings.model_cpus is not None:  # as the service's process holding the models
         pin_process(settings.model_cpus, "MODEL_CPUS")
     quiet_libraries()
     keep_tokenizers_serial()
-    async with local_service(
-        settings, load_models_file(settings.models_file, settings.adapter_dirs), use_cache
-    ) as source:
+    specs = load_models_file(settings.models_file, settings.adapter_dirs)
+    async with local_service(settings, specs, batch_size, use_cache) as source:
         yield source
 
 

@@ -1,21 +1,18 @@
-"""Scoring in this process: the models file, loader, batcher, predictor and cache tiers the
-server runs, started by the server's own lifespan, with no HTTP in the way."""
+"""Scoring in this process: the service core the server runs (the models file, loader,
+batcher, predictor and cache tiers), with no HTTP, no socket and no watched folder."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from api.batch.scoring import Outcome, Refused, Servable, Target, refusal_of
-from api.http.app import create_app
-from api.http.errors import ServiceError
-from api.http.lifecycle import check_lengths, pick_cascade, pick_runner, service_error
-from api.http.state import Phase, ServiceState
+from api.batch.scoring import Outcome, Servable, Target, refusal_of
 from api.models.spec import ModelSpec
+from api.service.contract import ClassifyRequest
+from api.service.core import Service
 from api.serving.cascade import CASCADE_NAME
 from api.serving.classify import ModelRunner
+from api.serving.errors import ServiceError
 from api.serving.ranking import rank
 from api.settings import Settings
 
@@ -23,59 +20,64 @@ from api.settings import Settings
 NO_DEADLINE_SECONDS = 24 * 3600.0
 
 
-class StartFailed(RuntimeError):
-    """The models did not load."""
-
-
 @asynccontextmanager
 async def started_service(
-    settings: Settings, specs: list[ModelSpec] | None = None
-) -> AsyncIterator[ServiceState]:
-    """The service's state once its own lifespan has loaded and warmed every model (`specs`,
-    or the models file's), until the block ends; StartFailed if they did not load."""
-    app = create_app(settings, specs)
-    state: ServiceState = app.state.service
-    async with app.router.lifespan_context(app):
-        while state.phase is Phase.LOADING:
-            await asyncio.sleep(0.05)
-        if state.phase is not Phase.READY:
-            raise StartFailed(state.error or f"service is {state.phase.value}")
-        yield state
+    settings: Settings, specs: list[ModelSpec] | None = None, follow_adapters_dir: bool = True
+) -> AsyncIterator[Service]:
+    """A service core with every model (`specs`, or the models file's) loaded and warmed, until
+    the block ends; StartFailed if they did not load."""
+    service = Service(settings, specs, follow_adapters_dir=follow_adapters_dir)
+    await service.start()
+    try:
+        await service.started()
+        yield service
+    finally:
+        await service.close()
 
 
 @asynccontextmanager
 async def local_service(
-    settings: Settings, specs: list[ModelSpec], use_cache: bool = True
+    settings: Settings, specs: list[ModelSpec], batch_size: int, use_cache: bool = True
 ) -> AsyncIterator[LocalSource]:
-    """The models loaded and warmed as the server does it, until the block ends.
+    """The models loaded and warmed as the server does it, until the block ends, for a file
+    scored `batch_size` texts a request.
 
-    Admission by time is off: it keeps a live client's wait under the latency target by
-    refusing what would queue too long, and here the only client is the file, whose next
-    chunk queueing behind the running one is what keeps the device busy."""
-    no_admission = settings.model_copy(update={"admission_control": False})
-    async with started_service(no_admission, specs) as state:
-        yield LocalSource(state, use_cache)
+    Set for a file, not for live clients: admission by time is off (it keeps a live client's
+    wait under the latency target by refusing what would queue too long, and here the only
+    client is the file, whose next chunk queueing behind the running one is what keeps the
+    device busy); no deadline; ADAPTERS_DIR is read at the start and not followed (the file
+    is scored with the adapters the run began with); no socket is bound, SPLIT_SOCKET or not
+    (the split's socket is a door of the server's, not the core's)."""
+    for_a_file = settings.model_copy(
+        update={
+            "admission_control": False,
+            "request_timeout_seconds": NO_DEADLINE_SECONDS,
+            "max_texts_per_request": max(batch_size, settings.max_texts_per_request),
+        }
+    )
+    async with started_service(for_a_file, specs, follow_adapters_dir=False) as service:
+        yield LocalSource(service, use_cache)
 
 
 class LocalSource:
-    """Scores with the runners of a started service state."""
+    """Scores with a started service core."""
 
-    def __init__(self, state: ServiceState, use_cache: bool = True) -> None:
-        self.state = state
+    def __init__(self, service: Service, use_cache: bool = True) -> None:
+        self.service = service
         self.use_cache = use_cache
 
     async def describe(self, target: Target) -> Servable:
         try:
             if target.cascade:
-                cascade = pick_cascade(self.state, target.adapter)
+                cascade = self.service.pick_cascade(target.adapter)
                 runners: tuple[ModelRunner, ...] = cascade.runners
                 adapters = [r.served.adapter_for(None) for r in runners]
                 name, adapter = CASCADE_NAME, None
             else:
-                runner, adapter = pick_runner(self.state, target.model, target.adapter)
+                runner, adapter = self.service.pick_runner(target.model, target.adapter)
                 runners, adapters, name = (runner,), [adapter], runner.served.name
         except ServiceError as exc:
-            raise Refused(exc.code, exc.message) from None
+            raise refusal_of(exc) from None
         first = runners[0].served.loaded
         return Servable(
             model=name,
@@ -89,28 +91,13 @@ class LocalSource:
         )
 
     async def score(self, target: Target, texts: list[str], truncate: bool) -> list[Outcome]:
-        state = self.state
-        cache = state.cache if self.use_cache else None
-        deadline = time.monotonic() + NO_DEADLINE_SECONDS
+        model = CASCADE_NAME if target.cascade else target.model
+        request = ClassifyRequest(texts, model, target.adapter, truncate, self.use_cache)
         try:
-            check_lengths(texts, state.settings)
-            if target.cascade:
-                cascade = pick_cascade(state, target.adapter)
-                labels = cascade.first.served.loaded.labels
-                result, answered_by = await cascade.classify(texts, truncate, cache, deadline)
-            else:
-                runner, adapter = pick_runner(state, target.model, target.adapter)
-                labels = runner.served.loaded.labels
-                result = await runner.classify(texts, adapter, truncate, cache, deadline)
-                answered_by = [runner.served.name] * len(texts)
+            answer = await self.service.classify(request)
         except ServiceError as exc:
             raise refusal_of(exc) from None
-        except Exception as exc:
-            error = service_error(exc)
-            if error is None:
-                raise
-            raise refusal_of(error) from None
         return [
-            Outcome(rank(labels, scores, "softmax", None), by)
-            for scores, by in zip(result.scores, answered_by, strict=True)
+            Outcome(rank(answer.labels, scores, "softmax", None), by)
+            for scores, by in zip(answer.result.scores, answer.answered_by, strict=True)
         ]

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from api.http.errors import InvalidInput, NonFiniteAnswer, ServiceError
+from api.serving.errors import InvalidInput, NonFiniteAnswer, ServiceError
 
 Ranked = list[dict[str, Any]]  # /predict's answer to one text: labels with scores, best first
 # Refusals that concern the texts themselves: the rest of a batch is still scored.
@@ -78,9 +78,9 @@ class Refused(Exception):
 
 
 def refusal_of(error: ServiceError) -> Refused:
-    """An in-process ServiceError as the same refusal the HTTP answer carries."""
-    wait = error.headers.get("Retry-After") if error.headers else None
-    return Refused(error.code, error.message, float(wait) if wait else None)
+    """A refusal of the service core in this process, as the HTTP answer carries it."""
+    wait = error.retry_after_seconds
+    return Refused(error.code, error.message, None if wait is None else float(wait))
 
 
 Score = Callable[[list[str]], Awaitable[list[Outcome]]]

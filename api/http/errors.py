@@ -1,4 +1,5 @@
-"""Errors that carry their HTTP answer, and the one place that writes them out."""
+"""The HTTP door's errors: its own refusals, the status of each of the core's, and the one
+place that writes them out."""
 
 from __future__ import annotations
 
@@ -9,56 +10,48 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.serving.errors import (
+    Conflict,
+    DeadlineExceeded,
+    Forbidden,
+    InferenceFailed,
+    InvalidInput,
+    NonFiniteAnswer,
+    NotFound,
+    Overloaded,
+    ServiceError,
+    Unavailable,
+)
+
 logger = logging.getLogger(__name__)
 _MAX_DETAILS = 5
 OIP_PREFIX = "/v2"  # the Open Inference Protocol's routes, whose error body is its own
 
 
-class ServiceError(Exception):
-    """Base of every error a client can cause or meet; subclasses fix status and code."""
+class HttpError(Exception):
+    """A refusal of the HTTP door's own (the body, the key, the client): status and code fixed
+    by each subclass. The core's refusals are api.serving.errors, mapped by STATUS_CODES."""
 
-    status_code = 500
-    code = "internal_error"
+    status_code = 400
+    code = "bad_request"
 
     def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
 
-    def response(self, path: str = "") -> JSONResponse:
-        """This error as a response to a request for `path`; also an ASGI app, for
-        middlewares (which pass `scope["path"]`)."""
-        return error_response(self.status_code, self.code, self.message, self.headers, path)
 
-
-class InvalidInput(ServiceError):
-    status_code = 422
-    code = "invalid_input"
-
-
-class BadRequest(ServiceError):
+class BadRequest(HttpError):
     status_code = 400
     code = "bad_request"
 
 
-class NotFound(ServiceError):
-    status_code = 404
-    code = "not_found"
-
-
-class Conflict(ServiceError):
-    """A change the service's state refuses as it stands (an adapter the models file owns)."""
-
-    status_code = 409
-    code = "conflict"
-
-
-class PayloadTooLarge(ServiceError):
+class PayloadTooLarge(HttpError):
     status_code = 413
     code = "payload_too_large"
 
 
-class Unauthorized(ServiceError):
+class Unauthorized(HttpError):
     status_code = 401
     code = "unauthorized"
 
@@ -66,45 +59,44 @@ class Unauthorized(ServiceError):
         super().__init__(message, {"WWW-Authenticate": "Bearer"})
 
 
-class Forbidden(ServiceError):
-    """A request no key opens: a route closed by the settings, a path outside the roots."""
-
-    status_code = 403
-    code = "forbidden"
-
-
-class Overloaded(ServiceError):
-    status_code = 429
-    code = "overloaded"
-
-
-class Unavailable(ServiceError):
-    status_code = 503
-    code = "unavailable"
-
-
-class InferenceFailed(ServiceError):
-    status_code = 503
-    code = "inference_failed"
-
-
-class NonFiniteAnswer(ServiceError):
-    """The model gave NaN or infinity for a text: nothing to answer, and nothing cached."""
-
-    status_code = 500
-    code = "non_finite_scores"
-
-
-class ClientGone(ServiceError):
+class ClientGone(HttpError):
     """The client disconnected; nobody reads this answer (nginx's 499)."""
 
     status_code = 499
     code = "client_gone"
 
 
-class DeadlineExceeded(ServiceError):
-    status_code = 504
-    code = "deadline_exceeded"
+# The HTTP contract of each of the core's refusals (a subclass not named: its base's status).
+STATUS_CODES: dict[type[ServiceError], int] = {
+    ServiceError: 500,
+    InvalidInput: 422,
+    NotFound: 404,
+    Conflict: 409,
+    Forbidden: 403,
+    Overloaded: 429,
+    Unavailable: 503,
+    InferenceFailed: 503,
+    NonFiniteAnswer: 500,
+    DeadlineExceeded: 504,
+}
+
+
+def status_of(refusal: ServiceError) -> int:
+    """The status code `refusal` is answered with."""
+    for kind in type(refusal).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return 500
+
+
+def response_for(error: ServiceError | HttpError, path: str = "") -> JSONResponse:
+    """`error` as the answer to a request for `path`: its status, body and headers (a core
+    refusal's time to retry as `Retry-After`). Also an ASGI app, for middlewares."""
+    if isinstance(error, HttpError):
+        return error_response(error.status_code, error.code, error.message, error.headers, path)
+    retry = error.retry_after_seconds
+    headers = None if retry is None else {"Retry-After": str(retry)}
+    return error_response(status_of(error), error.code, error.message, headers, path)
 
 
 def speaks_oip(path: str) -> bool:
@@ -127,11 +119,12 @@ def error_response(
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
-async def _service_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ServiceError)
-    if exc.status_code >= 500:
+async def _refusal(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError | HttpError)
+    response = response_for(exc, request.url.path)
+    if response.status_code >= 500:
         logger.warning("%s: %s", exc.code, exc.message)
-    return exc.response(request.url.path)
+    return response
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -147,7 +140,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = "not_found" if exc.status_code == 404 else f"http_{exc.status_code}"
+    code = NotFound.code if exc.status_code == 404 else f"http_{exc.status_code}"
     headers = dict(exc.headers or {})
     return error_response(exc.status_code, code, str(exc.detail), headers, request.url.path)
 
@@ -159,7 +152,8 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Registers every handler, in one place."""
-    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(ServiceError, _refusal)
+    app.add_exception_handler(HttpError, _refusal)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -105,3 +105,17 @@ def log_access(request: RequestRecord) -> None:
     logger = logging.getLogger(ACCESS_LOGGER)
     if logger.isEnabledFor(logging.INFO):
         logger.info("%s %s %s", request.method, request.path, request.status)
+
+
+def quiet_libraries() -> None:
+    """transformers' load reports and progress bars say nothing the service does not log;
+    its errors go through the service's own handler (its own would write plain text)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    # A line per HTTP request httpx makes: the split's forwards (each has its access line)
+    # and `loraserve score --url`'s chunks.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

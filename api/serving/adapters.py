@@ -19,7 +19,8 @@ from api.metrics import ADAPTER_LOAD_RESULTS, Metrics
 from api.models.adapter_check import check_adapter
 from api.models.adapters import AdapterError, CheckedAdapter
 from api.models.registry import ServedModel, UnknownName
-from api.serving.batching import BatchFailed, DeadlineExceeded
+from api.serving.batching import BatchFailed
+from api.serving.errors import DeadlineExceeded
 from api.serving.identity import AnswerIdentity
 
 logger = logging.getLogger(__name__)

@@ -7,10 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from api.serving.batching import BatchLimits
+from api.serving.batch_limits import BatchLimits
 
 
 @dataclass(frozen=True)

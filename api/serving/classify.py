@@ -12,10 +12,11 @@ from api.models.registry import ServedModel
 from api.observability import tracing
 from api.serving.adapters import AdapterSet, Lease
 from api.serving.admission import Admission
-from api.serving.batching import Batcher, DeadlineExceeded
+from api.serving.batching import Batcher
 from api.serving.cache import Entry, ResultCache, cache_key
 from api.serving.cache.tiers import DEFAULT_TIER_NAMES, Lookup
 from api.serving.cache.verify import AnswerShape
+from api.serving.errors import DeadlineExceeded
 from api.serving.gathered_encoding import GatheredEncoder
 from api.serving.identity import AnswerIdentity
 

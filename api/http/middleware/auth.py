@@ -8,7 +8,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.http.errors import Forbidden, Unauthorized
+from api.http.errors import Unauthorized, response_for
+from api.serving.errors import Forbidden
 
 # Probes and scrapers carry no key: these answer without one, and hold nothing secret.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
@@ -41,7 +42,7 @@ class ApiKeyGuard:
         accepted: list[bytes]
         if scope["path"] in ADMIN_PATHS:
             if self._admin is None:
-                await Forbidden(ADMIN_CLOSED).response(scope["path"])(scope, receive, send)
+                await response_for(Forbidden(ADMIN_CLOSED), scope["path"])(scope, receive, send)
                 return
             accepted = [self._admin]
         elif self._api is not None:
@@ -56,7 +57,7 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         reason = "missing API key" if not given else "wrong API key"
-        await Unauthorized(reason).response(scope["path"])(scope, receive, send)
+        await response_for(Unauthorized(reason), scope["path"])(scope, receive, send)
 
 
 def _bearer(key: str | None) -> bytes | None:

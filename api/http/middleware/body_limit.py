@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.http.errors import BadRequest, PayloadTooLarge
+from api.http.errors import BadRequest, PayloadTooLarge, response_for
 from api.http.lengths import parse_length
 
 
@@ -29,7 +29,7 @@ class BodySizeLimit:
                 # uvicorn's parsers refuse such a request before the app; another server
                 # may pass it on. The body's end is unknown: the connection cannot be reused.
                 refusal = BadRequest("Content-Length: not a length", {"Connection": "close"})
-                await refusal.response(scope["path"])(scope, receive, send)
+                await response_for(refusal, scope["path"])(scope, receive, send)
                 return
             if length > self.max_bytes:
                 await self._refuse(scope, receive, send)
@@ -63,5 +63,5 @@ class BodySizeLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"request body over {self.max_bytes} bytes"
         # The rest of the body is never read: close the connection rather than drain it.
-        response = PayloadTooLarge(message, {"Connection": "close"}).response(scope["path"])
+        response = response_for(PayloadTooLarge(message, {"Connection": "close"}), scope["path"])
         await response(scope, receive, send)

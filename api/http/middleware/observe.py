@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from api.http.state import ServiceState
 from api.metrics import REJECTION_REASON_BY_STATUS
+from api.service.contract import Classifier
 
 # Labels stay few: unknown paths (scanners, typos) are all "other".
 ROUTES = frozenset(
@@ -48,17 +48,17 @@ def route_label(path: str) -> str:
 class RequestMetrics:
     """Duration, status, in-flight and over-target counts for each HTTP request, and the
     count of requests the drain waits for. Called by the one outer middleware
-    (api.observability.middleware) as each request begins and ends: one layer, one wrapped
+    (api.http.middleware.observer) as each request begins and ends: one layer, one wrapped
     `send`, for both the request's id and its metrics."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: Classifier) -> None:
         self.state = state
         self.metrics = state.metrics
         self.target_seconds = state.settings.latency_target_seconds
 
     def began(self) -> bool:
         """Counts a request in flight; True when the drain is to wait for it (it waits for
-        the requests accepted before it began: ServiceState.hold_drain)."""
+        the requests accepted before it began: Lifecycle.hold_drain)."""
         self.metrics.requests_in_flight.inc()
         return self.state.hold_drain()
 

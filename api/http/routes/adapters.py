@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.http.errors import Conflict, Forbidden, InvalidInput, NotFound
-from api.http.lifecycle import check_serving
-from api.http.routes.common import State
+from api.http.routes.common import Core
 from api.http.schemas import (
     AdapterEntry,
     AdapterLoaded,
@@ -18,10 +16,7 @@ from api.http.schemas import (
     ModelAdapters,
     UnloadLoraAdapterRequest,
 )
-from api.http.state import ServiceState
-from api.models.registry import UnknownName
-from api.serving.adapter_roots import OutsideRoots, adapter_roots, place
-from api.serving.adapters import AdapterConflict, AdapterInfo, AdapterRefused, AdapterSet
+from api.serving.adapters import AdapterInfo
 
 ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorBody} for status in (401, 403, 404, 409, 422, 503)
@@ -31,23 +26,14 @@ router = APIRouter()
 
 
 @router.post("/v1/load_lora_adapter", response_model=AdapterLoaded, responses=ERRORS)
-async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State) -> AdapterLoaded:
+async def load_lora_adapter(body: LoadLoraAdapterRequest, service: Core) -> AdapterLoaded:
     """Loads an adapter, or swaps in new weights for one of that name: checked against its
     base first (refused with the reason, nothing changed), then attached between batches.
     Only from under ADAPTERS_DIR or ADAPTER_ROOTS: elsewhere is a 403 that says nothing of
     what lies there."""
-    try:
-        folder = place(body.lora_path, adapter_roots(state.settings))
-    except OutsideRoots as exc:
-        raise Forbidden(str(exc)) from None
-    check_serving(state)
-    adapters = adapter_set(state, body.model)
-    try:
-        done = await adapters.load(body.lora_name, folder, body.sha256, body.pinned, "api")
-    except AdapterRefused as exc:
-        raise InvalidInput(str(exc)) from None
-    except AdapterConflict as exc:
-        raise Conflict(str(exc)) from None
+    adapters, done = await service.load_adapter(
+        body.model, body.lora_name, body.lora_path, body.sha256, body.pinned
+    )
     return AdapterLoaded(
         model=adapters.served.name,
         result=done.result,  # type: ignore[arg-type]
@@ -58,22 +44,15 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, state: State) -> Adapt
 
 
 @router.post("/v1/unload_lora_adapter", response_model=AdapterUnloaded, responses=ERRORS)
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest, state: State) -> AdapterUnloaded:
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, service: Core) -> AdapterUnloaded:
     """Unloads a run-time adapter: new requests for it get 404 at once; this answers once the
     requests already holding it are answered and it is detached."""
-    check_serving(state)
-    adapters = adapter_set(state, body.model)
-    try:
-        info = await adapters.unload(body.lora_name, "api")
-    except UnknownName as exc:
-        raise NotFound(str(exc)) from None
-    except AdapterConflict as exc:
-        raise Conflict(str(exc)) from None
+    adapters, info = await service.unload_adapter(body.model, body.lora_name)
     return AdapterUnloaded(model=adapters.served.name, adapter=entry(info))
 
 
 @router.get("/v1/adapters", response_model=AdaptersResponse)
-async def list_adapters(state: State) -> AdaptersResponse:
+async def list_adapters(service: Core) -> AdaptersResponse:
     """Every model's adapters: source, digest, rank, pinned, resident, loaded at, requests."""
     return AdaptersResponse(
         models=[
@@ -83,17 +62,9 @@ async def list_adapters(state: State) -> AdaptersResponse:
                 max_resident=runner.adapters.max_resident,
                 adapters=[entry(info) for info in runner.adapters.listing()],
             )
-            for name, runner in state.runners.items()
+            for name, runner in service.runners.items()
         ]
     )
-
-
-def adapter_set(state: ServiceState, model: str | None) -> AdapterSet:
-    """The adapters of the named model (None: the first); 404 for an unknown one."""
-    try:
-        return state.runners[state.registry.get(model).name].adapters
-    except UnknownName as exc:
-        raise NotFound(str(exc)) from None
 
 
 def entry(info: AdapterInfo) -> AdapterEntry:

@@ -1,4 +1,5 @@
-"""What every route module shares: the state dependency, body reading, retry hints."""
+"""What every route module shares: the service they answer from, body reading, the JSON
+answer of scores."""
 
 from __future__ import annotations
 
@@ -14,23 +15,24 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from api.http.schemas import inline_schema
-from api.http.state import ServiceState
+from api.service.contract import Classifier
+from api.service.core import Service
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def service_state(request: Request) -> ServiceState:
-    """The app's state object, set up by the lifespan.
+async def service_core(request: Request) -> Service:
+    """The service core the app serves (routes that need more than `classify`).
 
     `async` although it awaits nothing: FastAPI runs a plain `def` dependency in a worker
     thread, so every request would hop threads, and under load each of those threads grew
     its own malloc arena (resident memory climbed with the number of clients).
     """
-    state: ServiceState = request.app.state.service
-    return state
+    service: Service = request.app.state.service
+    return service
 
 
-State = Annotated[ServiceState, Depends(service_state)]
+Core = Annotated[Service, Depends(service_core)]
 
 
 class ScoresResponse(Response):
@@ -45,10 +47,11 @@ class ScoresResponse(Response):
         return orjson.dumps(content)
 
 
-def state_of(request: Request) -> ServiceState:
-    """The app's state object, for routes that skip FastAPI's dependencies (see read_body)."""
-    state: ServiceState = request.app.state.service
-    return state
+def classifier_of(request: Request) -> Classifier:
+    """What classifies for the app (the core, or a front end's remote one), for routes that
+    skip FastAPI's dependencies (see read_body)."""
+    classifier: Classifier = request.app.state.service
+    return classifier
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -25,10 +25,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from api import __version__
-from api.http.errors import BadRequest, InvalidInput, NotFound
+from api.http.classifying import answer_headers, classify
+from api.http.errors import BadRequest
 from api.http.lengths import parse_length
-from api.http.lifecycle import Call, handle
-from api.http.routes.common import ScoresResponse, State, json_body
+from api.http.routes.common import Core, ScoresResponse, json_body
 from api.http.schemas import (
     OipError,
     OipInferenceRequest,
@@ -42,8 +42,10 @@ from api.http.schemas import (
     OipTensorMetadata,
     first_lone_surrogate,
 )
-from api.http.state import RETRY_AFTER_LOADING_SECONDS, ServiceState
+from api.service.contract import RETRY_AFTER_LOADING_SECONDS
+from api.service.core import Service
 from api.serving.cascade import CASCADE_NAME, cascade_models
+from api.serving.errors import InvalidInput, NotFound
 
 INPUT = "input-0"
 CLASS_OUTPUT = "output-0"  # KServe's Hugging Face runtime's name for the class indices
@@ -71,18 +73,18 @@ async def live() -> OipLive:
 
 
 @router.get("/health/ready", response_model=OipReady, responses=NOT_READY)
-async def ready(state: State) -> JSONResponse:
+async def ready(service: Core) -> JSONResponse:
     """200 once every model is loaded and warmed up; 503 before, when draining or failed
     (as /ready)."""
-    ok = state.serving
-    headers = None if ok else {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+    ok = service.serving
+    headers = None if ok else {"Retry-After": str(RETRY_AFTER_LOADING_SECONDS)}
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503, headers=headers)
 
 
 @router.get("/models/{name}", response_model=OipModelMetadata, responses=ERRORS)
-async def model_metadata(name: str, state: State) -> OipModelMetadata:
+async def model_metadata(name: str, service: Core) -> OipModelMetadata:
     """The model's one input (texts) and two outputs (class indices, probabilities)."""
-    labels = known_labels(state, name)
+    labels = known_labels(service, name)
     classes = -1 if labels is None else len(labels)
     return OipModelMetadata(
         name=name,
@@ -102,14 +104,14 @@ async def model_metadata(name: str, state: State) -> OipModelMetadata:
     response_model=OipModelReady,
     responses={**ERRORS, 503: {"model": OipModelReady}},
 )
-async def model_ready(name: str, state: State) -> JSONResponse:
+async def model_ready(name: str, service: Core) -> JSONResponse:
     """200 when the model (or the cascade) answers requests; 503 while not; 404 unknown."""
-    known_labels(state, name)
+    known_labels(service, name)
     if name == CASCADE_NAME:
-        ok = state.serving and state.cascade is not None
+        ok = service.serving and service.cascade is not None
     else:
-        ok = state.serving and name in state.runners
-    headers = None if ok else {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+        ok = service.serving and name in service.runners
+    headers = None if ok else {"Retry-After": str(RETRY_AFTER_LOADING_SECONDS)}
     return JSONResponse(
         {"name": name, "ready": ok}, status_code=200 if ok else 503, headers=headers
     )
@@ -121,13 +123,13 @@ async def model_ready(name: str, state: State) -> JSONResponse:
     responses=ERRORS,
     openapi_extra=json_body(OipInferenceRequest),
 )
-async def infer(name: str, request: Request, state: State) -> Response:
+async def infer(name: str, request: Request, service: Core) -> Response:
     """Classifies the texts of the one BYTES input with the model or the cascade."""
     payload, binary = parse_request(await request.body(), request.headers.get(HEADER_LENGTH))
     wanted = requested_outputs(payload)
     texts = input_texts(payload.inputs[0], binary)
     adapter = payload.parameters.adapter if payload.parameters else None
-    done = await handle(request, state, Call(name, adapter, texts))
+    done = await classify(request, service, texts, name, adapter)
     probabilities = [list(scores.probabilities) for scores in done.result.scores]
     classes = [max(range(len(row)), key=row.__getitem__) for row in probabilities]
     outputs: dict[str, dict[str, Any]] = {
@@ -143,22 +145,22 @@ async def infer(name: str, request: Request, state: State) -> Response:
         "id": payload.id if payload.id is not None else str(uuid.uuid4()),
         "outputs": [{"name": output, **outputs[output]} for output in wanted],
     }
-    return ScoresResponse(body, headers=done.headers(name))
+    return ScoresResponse(body, headers=answer_headers(done, name))
 
 
-def known_labels(state: ServiceState, name: str) -> list[str] | None:
+def known_labels(service: Service, name: str) -> list[str] | None:
     """The labels of a declared model or of the cascade (None: not known before loading);
     404 for any other name."""
     if name == CASCADE_NAME:
-        pair = cascade_models(state.settings, state.registry.specs)
+        pair = cascade_models(service.settings, service.registry.specs)
         if pair is None:
             raise NotFound(f"no {CASCADE_NAME!r}: it needs two models")
         name = pair[0]  # both models of a cascade have the same labels
-    for spec in state.registry.specs:
+    for spec in service.registry.specs:
         if spec.name == name:
-            served = state.registry.models.get(name)
+            served = service.registry.models.get(name)
             return served.loaded.labels if served is not None else spec.labels
-    names = ", ".join(spec.name for spec in state.registry.specs)
+    names = ", ".join(spec.name for spec in service.registry.specs)
     raise NotFound(f"model {name!r} is not served; models: {names}")
 
 

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client.exposition import choose_encoder
 
 from api import __version__
-from api.http.routes.common import State
+from api.http.routes.common import Core
 from api.http.schemas import (
     CascadeInfo,
     ClassifierType,
@@ -21,21 +21,22 @@ from api.http.schemas import (
     ReadyResponse,
     ServableIdentity,
 )
-from api.http.state import RETRY_AFTER_LOADING_SECONDS, Phase, ServiceState
 from api.models.loader import low_cpu_mem_usage_effect
 from api.models.registry import ServedModel
+from api.service.contract import RETRY_AFTER_LOADING_SECONDS, Phase
+from api.service.core import Service
 from api.serving.classify import ModelRunner
 
 router = APIRouter()
 
 
 @router.get("/models", response_model=ModelsResponse)
-async def models(state: State) -> ModelsResponse:
+async def models(service: Core) -> ModelsResponse:
     """What is loaded: base, adapters, quantization, dtype, device, load time by phase."""
     return ModelsResponse(
         models=[
-            model_info(served, state.runners.get(served.name))
-            for served in state.registry.in_order()
+            model_info(served, service.runners.get(served.name))
+            for served in service.registry.in_order()
         ]
     )
 
@@ -81,35 +82,35 @@ async def health() -> HealthResponse:
 
 
 @router.get("/ready", response_model=ReadyResponse, responses={503: {"model": ReadyResponse}})
-async def ready(state: State) -> JSONResponse:
+async def ready(service: Core) -> JSONResponse:
     """200 once every model is loaded and warmed up; 503 with progress before, or draining."""
-    registry = state.registry
+    registry = service.registry
     body = ReadyResponse(
-        status=state.phase.value,
+        status=service.phase.value,
         loaded=len(registry.models),
         total=len(registry.specs),
         models={
             name: ModelProgress(state=p.state, seconds=round(p.seconds, 3))
             for name, p in registry.progress.items()
         },
-        error=state.error,
+        error=service.error,
     )
-    ok = state.phase is Phase.READY
-    headers = None if ok else {"Retry-After": RETRY_AFTER_LOADING_SECONDS}
+    ok = service.phase is Phase.READY
+    headers = None if ok else {"Retry-After": str(RETRY_AFTER_LOADING_SECONDS)}
     return JSONResponse(body.model_dump(), status_code=200 if ok else 503, headers=headers)
 
 
 @router.get("/info", response_model=InfoResponse)
-async def info(state: State) -> InfoResponse:
+async def info(service: Core) -> InfoResponse:
     """The service's version, models and request limits."""
-    settings = state.settings
-    first = state.registry.specs[0]
-    served = state.registry.models.get(first.name)
+    settings = service.settings
+    first = service.registry.specs[0]
+    served = service.registry.models.get(first.name)
     loaded = served.loaded if served is not None else None
     return InfoResponse(
         name="loraserve",
         version=__version__,
-        models=[spec.name for spec in state.registry.specs],
+        models=[spec.name for spec in service.registry.specs],
         model_id=first.base or first.name,
         model_sha=loaded.revision if loaded else None,
         model_dtype=loaded.dtype if loaded else None,
@@ -125,8 +126,8 @@ async def info(state: State) -> InfoResponse:
         max_text_chars=settings.max_text_chars,
         max_body_bytes=settings.max_body_bytes,
         latency_target_seconds=settings.latency_target_seconds,
-        cascade=cascade_info(state),
-        decision_thresholds={spec.name: spec.decision_threshold for spec in state.registry.specs},
+        cascade=cascade_info(service),
+        decision_thresholds={spec.name: spec.decision_threshold for spec in service.registry.specs},
     )
 
 
@@ -138,9 +139,9 @@ def classifier_type(labels: list[str]) -> ClassifierType:
     )
 
 
-def cascade_info(state: ServiceState) -> CascadeInfo | None:
+def cascade_info(service: Service) -> CascadeInfo | None:
     """The cascade once its models are loaded; None before, or when fewer than two are served."""
-    cascade = state.cascade
+    cascade = service.cascade
     if cascade is None:
         return None
     return CascadeInfo(
@@ -152,11 +153,11 @@ def cascade_info(state: ServiceState) -> CascadeInfo | None:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(state: State, accept: Annotated[str, Header()] = "") -> Response:
+async def metrics(service: Core, accept: Annotated[str, Header()] = "") -> Response:
     """Prometheus exposition of every metric the service keeps: OpenMetrics (with the
     latency histogram's exemplars, the trace ids) when the scraper asks for it, as
     Prometheus does; otherwise the classic text format."""
-    if state.cache is not None:
-        state.cache.refresh_gauges()
+    if service.cache is not None:
+        service.cache.refresh_gauges()
     encode, content_type = choose_encoder(accept)
-    return Response(encode(state.metrics.registry), headers={"Content-Type": content_type})
+    return Response(encode(service.metrics.registry), headers={"Content-Type": content_type})

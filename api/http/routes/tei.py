@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from api.http.lifecycle import Call, handle
-from api.http.routes.common import OwnBodyRoute, ScoresResponse, json_body, read_body, state_of
+from api.http.classifying import answer_headers, classify
+from api.http.routes.common import (
+    OwnBodyRoute,
+    ScoresResponse,
+    classifier_of,
+    json_body,
+    read_body,
+)
 from api.http.schemas import ErrorBody, PredictRequest, PredictResponse
 from api.serving.ranking import rank
 
@@ -26,10 +32,12 @@ PREDICT_BODY = json_body(PredictRequest)
 async def predict(request: Request) -> Response:
     """Classifies one text or a list of texts, with one model or the cascade."""
     body = await read_body(request, PredictRequest)
-    call = Call(body.model, body.adapter, body.texts, body.truncate, body.cache)
-    done = await handle(request, state_of(request), call)
-    result, labels = done.result, done.labels
-    headers = done.headers(body.model or done.answered_by[0])
+    service = classifier_of(request)
+    answer = await classify(
+        request, service, body.texts, body.model, body.adapter, body.truncate, body.cache
+    )
+    result, labels = answer.result, answer.labels
+    headers = answer_headers(answer, body.model or answer.answered_by[0])
     ranked = [rank(labels, s, body.scores_shown, body.best) for s in result.scores]
     # Built here, not by FastAPI from the response model: re-validating every score of every
     # answer costs more than the rest of the route (PredictResponse still documents it).

@@ -1,8 +1,8 @@
 """A front end of the split (`loraserve front-end`): the service's HTTP in a process of its
 own, with the models' process (`loraserve` with the same SPLIT_SOCKET) behind one Unix socket.
 
-`/predict` runs here through the lifecycle every route shares (is the service serving, the
-deadline, the limits, the disconnect watch), with `classify` done by the model side; `/health`
+`/predict` is the HTTP door's own route on a RemoteService, which checks this process's phase,
+the deadline and the limits, and has the model side's core classify; `/health`
 is this process's own; `/metrics` is the model side's, with the request families (counted
 here, where every request arrives) and this process's own process metrics. Every other
 request is answered by the model side's app, forwarded whole.
@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry, Metric, ProcessCollector
@@ -25,29 +24,41 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from api import __version__
-from api.http import errors
-from api.http.app import install_middleware
-from api.http.errors import DeadlineExceeded, ServiceError, Unavailable, install_error_handlers
-from api.http.lifecycle import Call, Done
+from api.http.errors import install_error_handlers
+from api.http.layers import install_middleware
 from api.http.routes import status, tei
-from api.http.routes.common import state_of
 from api.http.schemas import HealthResponse
-from api.http.split.wire import BrokenMessage, framed, read_message, to_bytes, to_text
-from api.http.state import Phase, ServiceState
+from api.http.split.messages import (
+    PROTOCOL_VERSION,
+    Answered,
+    Call,
+    Cancel,
+    Classify,
+    Failed,
+    Forward,
+    Forwarded,
+    Hello,
+    Refused,
+    Reply,
+    framed,
+    read_hello,
+    read_replies,
+)
 from api.metrics import PREFIX, REQUEST_FAMILIES, Metrics
 from api.models.predictor import Scores
-from api.models.registry import Registry
 from api.observability import record, tracing
 from api.observability.record import CURRENT
 from api.observability.request_id import HEADER, new_request_id
+from api.service.contract import Answer, ClassifyRequest, Lifecycle, Phase
+from api.service.core import RETRY_SOON_SECONDS, check_limits
 from api.serving.classify import Classified
+from api.serving.errors import DeadlineExceeded, ServiceError, Unavailable, refusal
 from api.serving.heap import ServingHeap
 from api.serving.per_turn import PerTurn
 from api.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-RETRY_SOON = {"Retry-After": "1"}
 # A call's answer is awaited this long past its request's deadline, by which the model side
 # answers 504 itself: what is missing then is the model side (stuck, or its socket).
 HOP_GRACE_SECONDS = 1.0
@@ -64,57 +75,61 @@ _REQUEST_ID = HEADER.lower()
 
 class ModelSideLink:
     """The front end's one connection to the model side, opened on first use and again after
-    a loss. A turn's calls go out as one message; a reader task settles each call's future
-    from the replies. A call whose request is cancelled (its client went) is cancelled on the
-    model side too; a lost connection answers every call waiting on it with a 503."""
+    a loss, with a Hello each way first. A turn's calls go out as one message; a reader task
+    settles each call's future from the replies. A call whose request is cancelled (its client
+    went) is cancelled on the model side too; a lost connection answers every call waiting on
+    it with Unavailable."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.numbers = itertools.count()
-        self.waiting: dict[int, asyncio.Future[list[Any]]] = {}
+        self.waiting: dict[int, asyncio.Future[Reply]] = {}
         self.writer: asyncio.StreamWriter | None = None
         self.reading: asyncio.Task[None] | None = None
         self.connecting = asyncio.Lock()
-        self.calls: PerTurn[list[Any]] = PerTurn(self._send)
+        self.calls: PerTurn[Call] = PerTurn(self._send)
 
-    async def classify(self, call: Call, deadline: float) -> Done:
-        """`call` scored by the model side, by `deadline` (its refusals raised as here)."""
-        sent = [_request_id(), call.model, call.adapter, call.texts, call.truncate, call.use_cache]
-        # Seconds left, not the deadline itself: the two processes need not share a clock.
-        seconds_left = deadline - time.monotonic()
-        trace = tracing.outgoing()
-        reply = await self._ask(
-            "classify", [*sent, seconds_left, trace], deadline + HOP_GRACE_SECONDS
+    async def classify(self, request: ClassifyRequest, seconds_left: float) -> Answered:
+        """`request` answered by the model side within `seconds_left` (its refusals raised)."""
+        number = next(self.numbers)
+        call = Classify(
+            number,
+            _request_id(),
+            request.model,
+            request.adapter,
+            request.texts,
+            request.truncate,
+            request.use_cache,
+            # Seconds left, not the deadline itself: the two processes need not share a clock.
+            seconds_left,
+            tracing.outgoing(),
         )
-        scores, tiers, answered_by, labels, adapter, cascade, cache_tiers = reply
-        result = Classified([Scores(tuple(p), tuple(raw)) for p, raw in scores], tiers)
-        done = Done(result, answered_by, labels, adapter, cascade, cache_tiers)
-        record.note_call(call.model or answered_by[0], adapter, len(call.texts))
-        record.note_cache(tiers, cache_tiers)
-        return done
+        reply = await self._ask(call, time.monotonic() + seconds_left + HOP_GRACE_SECONDS)
+        assert isinstance(reply, Answered)
+        return reply
 
     async def forward(
-        self, method: str, path: str, query: bytes, headers: list[list[str]], body: bytes
-    ) -> tuple[int, list[list[str]], bytes]:
+        self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes
+    ) -> Forwarded:
         """A whole request answered by the model side's app: status, headers, body."""
-        sent = [method, path, to_text(query), headers, to_text(body)]
-        give_up_at = time.monotonic() + FORWARD_TIMEOUT_SECONDS
-        status_code, answer_headers, answer_body = await self._ask("forward", sent, give_up_at)
-        return status_code, answer_headers, to_bytes(answer_body)
+        call = Forward(next(self.numbers), method, path, query, headers, body)
+        reply = await self._ask(call, time.monotonic() + FORWARD_TIMEOUT_SECONDS)
+        assert isinstance(reply, Forwarded)
+        return reply
 
     async def close(self) -> None:
         if self.reading is not None:
             self.reading.cancel()
             await asyncio.gather(self.reading, return_exceptions=True)
 
-    async def _ask(self, kind: str, call: list[Any], give_up_at: float) -> list[Any]:
+    async def _ask(self, call: Classify | Forward, give_up_at: float) -> Reply:
         if self.writer is None:
             await self._connect()
         loop = asyncio.get_running_loop()
-        number = next(self.numbers)
-        reply: asyncio.Future[list[Any]] = loop.create_future()
+        number = call.number
+        reply: asyncio.Future[Reply] = loop.create_future()
         self.waiting[number] = reply
-        self.calls.add([kind, number, *call])
+        self.calls.add(call)
         timer = loop.call_later(max(0.0, give_up_at - time.monotonic()), self._expire, number)
         try:
             found = await reply
@@ -123,16 +138,15 @@ class ModelSideLink:
             # the model side drops the call's texts from its queue.
             self.waiting.pop(number, None)
             if self.writer is not None:
-                self.calls.add(["cancel", number])
+                self.calls.add(Cancel(number))
             raise
         finally:
             timer.cancel()
-        outcome = found[1]
-        if outcome == "refused":
-            raise _refusal(found[2], found[3], found[4])
-        if outcome == "failed":
-            raise RuntimeError(f"the model side failed: {found[2]}")
-        return found[2:]
+        if isinstance(found, Refused):
+            raise refusal(found.code, found.message, found.retry_after_seconds)
+        if isinstance(found, Failed):
+            raise RuntimeError(f"the model side failed: {found.description}")
+        return found
 
     def _expire(self, number: int) -> None:
         reply = self.waiting.pop(number, None)
@@ -145,13 +159,25 @@ class ModelSideLink:
                 return
             try:
                 reader, writer = await asyncio.open_unix_connection(str(self.path))
-            except OSError as exc:
-                raise Unavailable(f"the model side is not reachable: {exc}", RETRY_SOON) from None
+                writer.write(framed([Hello(PROTOCOL_VERSION)]))
+                hello = await read_hello(reader)
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                raise Unavailable(
+                    f"the model side is not reachable: {exc}", RETRY_SOON_SECONDS
+                ) from None
+            if hello.version != PROTOCOL_VERSION:
+                writer.close()
+                message = (
+                    f"the model side speaks the split's version {hello.version}, this front "
+                    f"end {PROTOCOL_VERSION}: run the same release on both sides"
+                )
+                logger.error("%s", message)
+                raise Unavailable(message, RETRY_SOON_SECONDS)
             self.writer = writer
             self.reading = asyncio.get_running_loop().create_task(self._read(reader, writer))
             logger.info("connected to the model side on %s", self.path)
 
-    def _send(self, calls: list[list[Any]]) -> None:
+    def _send(self, calls: list[Call]) -> None:
         # A writer gone since the calls were added: the loss has failed their futures already.
         if self.writer is not None and not self.writer.is_closing():
             self.writer.write(framed(calls))
@@ -160,20 +186,20 @@ class ModelSideLink:
         reason = None  # cancelled: this front end is stopping
         try:
             while True:
-                for reply in await read_message(reader):
-                    waiting = self.waiting.pop(reply[0], None)
+                for reply in await read_replies(reader):
+                    waiting = self.waiting.pop(reply.number, None)
                     if waiting is not None and not waiting.done():
                         waiting.set_result(reply)
         except asyncio.IncompleteReadError:
             reason = "the model side closed the connection"
-        except (ConnectionError, BrokenMessage, LookupError, TypeError) as exc:
+        except ConnectionError as exc:  # BrokenMessage included
             reason = f"the connection to the model side broke: {exc}"
         finally:
             self._lost(writer, reason)
 
     def _lost(self, writer: asyncio.StreamWriter, reason: str | None) -> None:
-        """Every call waiting on `writer`'s connection answered 503; the next reconnects.
-        `reason`: why the connection was lost; None when this front end closed it."""
+        """Every call waiting on `writer`'s connection answered Unavailable; the next
+        reconnects. `reason`: why the connection was lost; None when this front end closed it."""
         if self.writer is writer:
             self.writer = None
         writer.close()
@@ -184,21 +210,38 @@ class ModelSideLink:
             logger.error("%s; the %d calls waiting answered 503", reason, len(waiting))
         for reply in waiting.values():
             if not reply.done():
-                reply.set_exception(Unavailable(f"{reason}; try again", RETRY_SOON))
+                reply.set_exception(Unavailable(f"{reason}; try again", RETRY_SOON_SECONDS))
+
+
+class RemoteService(Lifecycle):
+    """The service core as a front end reaches it: `classify` checks the limits here and
+    is answered by the model side over `link`. Its phase is this process's own: ready once
+    started, draining on a signal (whether the models are loaded is the model side's /ready)."""
+
+    def __init__(self, settings: Settings, link: ModelSideLink) -> None:
+        super().__init__(Metrics(settings.latency_target_seconds))
+        self.settings = settings
+        self.link = link
+
+    async def classify(self, request: ClassifyRequest) -> Answer:
+        """`request` scored by the model side, with the core's refusals."""
+        self.check_serving()
+        # The one deadline of this request, which the model side is told as seconds left.
+        seconds = request.seconds_given(self.settings.request_timeout_seconds)
+        check_limits(request.texts, self.settings)
+        reply = await self.link.classify(request, seconds)
+        result = Classified([Scores(p, raw) for p, raw in reply.scores], reply.tiers)
+        record.note_call(request.model or reply.answered_by[0], reply.adapter, len(request.texts))
+        record.note_cache(reply.tiers, reply.cache_tiers)
+        return Answer(
+            result, reply.answered_by, reply.labels, reply.adapter, reply.cascade, reply.cache_tiers
+        )
 
 
 def _request_id() -> str:
     """The current request's id (its record's), which the model side logs it under."""
     current = CURRENT.get()
     return new_request_id() if current is None else current.request_id
-
-
-def _refusal(name: str, message: str, headers: dict[str, str]) -> ServiceError:
-    """The model side's refusal as the error it is there (ServiceError for a name not known)."""
-    kind = getattr(errors, name, None)
-    if not (isinstance(kind, type) and issubclass(kind, ServiceError)):
-        kind = ServiceError
-    return kind(message, headers)
 
 
 # --- the front end's app --------------------------------------------------------------------
@@ -209,10 +252,9 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     other path forwarded to the model side on `settings.split_socket`."""
     if settings.split_socket is None:
         raise ValueError("a front end needs SPLIT_SOCKET: the model side's socket")
-    metrics = Metrics(settings.latency_target_seconds)
-    state = ServiceState(settings=settings, registry=Registry([], settings), metrics=metrics)
     link = ModelSideLink(settings.split_socket)
-    state.model_side = link
+    service = RemoteService(settings, link)
+    metrics = service.metrics
     own_metrics = CollectorRegistry()
     own_metrics.register(_Families(metrics.registry, REQUEST_FAMILIES))
     ProcessCollector(namespace=f"{PREFIX}_front_end", registry=own_metrics)
@@ -224,11 +266,11 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         heap.settle()
-        state.phase = Phase.READY  # nothing to load: whether the models are is /ready's
+        service.phase = Phase.READY  # nothing to load: whether the models are is /ready's
         try:
             yield
         finally:
-            state.phase = Phase.DRAINING
+            service.begin_drain()
             await link.close()
             heap.release()
 
@@ -242,7 +284,7 @@ def create_front_end_app(settings: Settings) -> FastAPI:
         openapi_url=None,
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.state.service = state
+    app.state.service = service
     install_error_handlers(app)
     app.include_router(tei.router)
     app.add_api_route("/health", status.health, methods=["GET"], response_model=HealthResponse)
@@ -253,14 +295,16 @@ def create_front_end_app(settings: Settings) -> FastAPI:
         # Without the model side, the front end's own: its 503s are what is happening then.
         model_side = ""
         try:
-            code, _, body = await link.forward("GET", "/metrics", b"", [["accept", accept]], b"")
+            answer = await link.forward("GET", "/metrics", b"", [("accept", accept)], b"")
         except ServiceError as exc:
             logger.warning("/metrics without the model side's families: %s", exc.message)
         else:
-            if code == 200:
-                model_side = without_families(body.decode(), REQUEST_FAMILIES)
+            if answer.status == 200:
+                model_side = without_families(answer.body.decode(), REQUEST_FAMILIES)
             else:
-                logger.warning("/metrics without the model side's: its /metrics answered %d", code)
+                logger.warning(
+                    "/metrics without the model side's: its /metrics answered %d", answer.status
+                )
         merged = model_side + encode(own_metrics).decode()
         return Response(merged, headers={"Content-Type": content_type})
 
@@ -268,26 +312,28 @@ def create_front_end_app(settings: Settings) -> FastAPI:
         # The model side's span of it continues the front end's trace, not the client's.
         trace = tracing.outgoing()
         dropped = NOT_FORWARDED | {_REQUEST_ID} | (TRACE_HEADERS if trace else frozenset())
-        headers = [[to_text(k), to_text(v)] for k, v in request.headers.raw]
-        headers = [[k, v] for k, v in headers if k.lower() not in dropped]
-        headers += [[k, v] for k, v in trace.items()]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        headers = [(k, v) for k, v in headers if k.lower() not in dropped]
+        headers += list(trace.items())
         scope = request.scope
-        code, answer_headers, body = await state_of(request).model_side.forward(  # type: ignore[union-attr]
+        answer = await link.forward(
             request.method,
             scope["path"],
             scope["query_string"],
-            [*headers, [_REQUEST_ID, _request_id()]],
+            [*headers, (_REQUEST_ID, _request_id())],
             await request.body(),
         )
-        response = Response(body, code)
+        response = Response(answer.body, answer.status)
         response.raw_headers = [
-            (to_bytes(k), to_bytes(v)) for k, v in answer_headers if k.lower() != _REQUEST_ID
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in answer.headers
+            if k.lower() != _REQUEST_ID
         ]
         return response
 
     app.add_api_route("/metrics", merged_metrics, methods=["GET"], include_in_schema=False)
     app.add_api_route("/{path:path}", forward, methods=FORWARD_METHODS, include_in_schema=False)
-    install_middleware(app, state, [tei.router])
+    install_middleware(app, service, [tei.router])
     return app
 
 

@@ -1,11 +1,12 @@
-"""The model side of the split: the service process answers its front ends on SPLIT_SOCKET.
+"""The model side of the split: a socket door on the service core, answering its front ends
+on SPLIT_SOCKET.
 
-A front end's classifying request arrives as a call, which goes through the lifecycle's own
-`classify` (which model, the cache tiers, tokenizing, admission, the batcher, the device) and
-comes back as the scores, or as the refusal its HTTP error is made from. Every other request
+A front end's classifying request arrives as a Classify call, answered by the core's own
+`classify` (which model, the cache tiers, tokenizing, admission, the batcher, the device),
+and goes back as the scores or as the core's refusal, by its code. Every other request
 (`/models`, `/ready`, the adapter routes, `/metrics`, the Open Inference Protocol's) arrives
 whole and is answered by this process's own app, as if it had come over HTTP. The front end
-has already checked the client's limits, key and body; the socket is the operator's.
+has already checked the client's key and body; the socket is the operator's.
 """
 
 from __future__ import annotations
@@ -13,19 +14,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 from starlette.types import ASGIApp
 
-from api.http import lifecycle
-from api.http.errors import ServiceError
-from api.http.split.wire import BrokenMessage, framed, read_message, to_bytes, to_text
-from api.http.state import ServiceState
+from api.http.split.messages import (
+    PROTOCOL_VERSION,
+    Answered,
+    BrokenMessage,
+    Call,
+    Cancel,
+    Classify,
+    Failed,
+    Forward,
+    Forwarded,
+    Hello,
+    Refused,
+    Reply,
+    framed,
+    read_calls,
+    read_hello,
+)
 from api.observability import tracing
 from api.observability.record import CURRENT, RequestRecord
+from api.service.contract import ClassifyRequest
+from api.service.core import Service
+from api.serving.errors import ServiceError
 from api.serving.per_turn import PerTurn
 
 logger = logging.getLogger(__name__)
@@ -34,10 +49,11 @@ CLASSIFY_ROUTE = "/predict"  # the route a call's log lines name: the front end'
 
 
 class ModelSide:
-    """Listens on `path` for front ends, answering each call as one-process serving would."""
+    """Listens on `path` for front ends, answering each call as one-process serving would:
+    classifying with `service`, anything else with `app`."""
 
-    def __init__(self, app: ASGIApp, state: ServiceState, path: Path) -> None:
-        self.state = state
+    def __init__(self, app: ASGIApp, service: Service, path: Path) -> None:
+        self.service = service
         self.path = path
         # raise_app_exceptions off: a route's failure is the 500 the app writes, as over HTTP.
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -64,11 +80,21 @@ class ModelSide:
         connection = asyncio.current_task()
         assert connection is not None
         self.connections.add(connection)
-        replies: PerTurn[list[Any]] = PerTurn(lambda turn: _send(writer, turn))
+        replies: PerTurn[Reply] = PerTurn(lambda turn: _send(writer, turn))
         running: dict[int, asyncio.Task[None]] = {}
         try:
+            hello = await read_hello(reader)
+            writer.write(framed([Hello(PROTOCOL_VERSION)]))
+            if hello.version != PROTOCOL_VERSION:
+                logger.error(
+                    "a front end speaks the split's version %d, this model side %d; its "
+                    "connection is closed",
+                    hello.version,
+                    PROTOCOL_VERSION,
+                )
+                return
             while True:
-                for call in await read_message(reader):
+                for call in await read_calls(reader):
                     self._take(call, running, replies)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, BrokenMessage):
@@ -81,70 +107,71 @@ class ModelSide:
             self.connections.discard(connection)
 
     def _take(
-        self, call: Any, running: dict[int, asyncio.Task[None]], replies: PerTurn[list[Any]]
+        self, call: Call, running: dict[int, asyncio.Task[None]], replies: PerTurn[Reply]
     ) -> None:
-        if not (isinstance(call, list) and len(call) >= 2 and isinstance(call[1], int)):
-            raise BrokenMessage(f"a call that is not [kind, number, ...]: {call!r:.200}")
-        kind, number = call[0], call[1]
-        if kind == "cancel":
-            task = running.get(number)
+        if isinstance(call, Cancel):
+            task = running.get(call.number)
             if task is not None:
                 task.cancel()
             return
-        if kind == "classify":
-            work = self._classify(number, call[2:], replies)
-        elif kind == "forward":
-            work = self._forward(number, call[2:], replies)
+        if isinstance(call, Classify):
+            work = self._classify(call, replies)
         else:
-            raise BrokenMessage(f"a call of unknown kind {kind!r:.50}")
+            work = self._forward(call, replies)
+        number = call.number
         task = asyncio.create_task(work)
         running[number] = task
         task.add_done_callback(lambda _: running.pop(number, None))
 
-    async def _classify(self, number: int, call: list[Any], replies: PerTurn[list[Any]]) -> None:
-        request_id, model, adapter, texts, truncate, use_cache, seconds_left, trace = call
-        deadline = time.monotonic() + seconds_left
+    async def _classify(self, call: Classify, replies: PerTurn[Reply]) -> None:
+        number = call.number
         # Its log lines carry the front end's id for the request.
-        CURRENT.set(RequestRecord(request_id, "POST", CLASSIFY_ROUTE, CLASSIFY_ROUTE))
-        state = self.state
-        holds_drain = state.hold_drain()  # as for requests: the drain waits for the call
+        CURRENT.set(RequestRecord(call.request_id, "POST", CLASSIFY_ROUTE, CLASSIFY_ROUTE))
+        service = self.service
+        request = ClassifyRequest(
+            call.texts, call.model, call.adapter, call.truncate, call.use_cache, call.seconds_left
+        )
+        holds_drain = service.hold_drain()  # as for requests: the drain waits for the call
         try:
-            lifecycle.check_serving(state)
-            cache = state.cache if use_cache else None
-            with tracing.continued("classify", trace):
-                done = await lifecycle.classify(
-                    None, state, model, adapter, texts, truncate, cache, deadline
-                )
+            with tracing.continued("classify", call.trace):
+                answer = await service.classify(request)
         except ServiceError as exc:
-            replies.add([number, "refused", type(exc).__name__, exc.message, exc.headers])
+            replies.add(Refused(number, exc.code, exc.message, exc.retry_after_seconds))
             return
         except Exception as exc:  # what one process answers with a 500
             logger.exception("a front end's call failed")
-            replies.add([number, "failed", f"{type(exc).__name__}: {exc}"])
+            replies.add(Failed(number, f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            state.release_drain(holds_drain)
-        result = done.result
-        scores = [[s.probabilities, s.logits] for s in result.scores]
-        answered = [number, "done", scores, result.tiers, done.answered_by, done.labels]
-        replies.add([*answered, done.adapter, done.cascade, list(done.cache_tiers)])
+            service.release_drain(holds_drain)
+        result = answer.result
+        replies.add(
+            Answered(
+                number,
+                [(s.probabilities, s.logits) for s in result.scores],
+                result.tiers,
+                answer.answered_by,
+                answer.labels,
+                answer.adapter,
+                answer.cascade,
+                list(answer.cache_tiers),
+            )
+        )
 
-    async def _forward(self, number: int, call: list[Any], replies: PerTurn[list[Any]]) -> None:
-        method, path, query, headers, body = call
-        url = httpx.URL(path=path, query=to_bytes(query))
+    async def _forward(self, call: Forward, replies: PerTurn[Reply]) -> None:
+        url = httpx.URL(path=call.path, query=call.query)
         try:
             response = await self.forwarder.request(
-                method, url, headers=[tuple(pair) for pair in headers], content=to_bytes(body)
+                call.method, url, headers=call.headers, content=call.body
             )
         except Exception as exc:
             logger.exception("a forwarded request failed")
-            replies.add([number, "failed", f"{type(exc).__name__}: {exc}"])
+            replies.add(Failed(call.number, f"{type(exc).__name__}: {exc}"))
             return
-        answer_headers = [[to_text(k), to_text(v)] for k, v in response.headers.raw]
-        answer_body = to_text(response.content)
-        replies.add([number, "forwarded", response.status_code, answer_headers, answer_body])
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw]
+        replies.add(Forwarded(call.number, response.status_code, headers, response.content))
 
 
-def _send(writer: asyncio.StreamWriter, replies: list[list[Any]]) -> None:
+def _send(writer: asyncio.StreamWriter, replies: list[Reply]) -> None:
     if not writer.is_closing():
         writer.write(framed(replies))

@@ -9,11 +9,11 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http.middleware.observe import RequestMetrics, route_label
-from api.http.state import ServiceState
 from api.observability import tracing
 from api.observability.logs import log_access
 from api.observability.record import CURRENT, RequestRecord
 from api.observability.request_id import HEADER, request_id_from
+from api.service.contract import Classifier
 
 _HEADER_KEY = HEADER.lower().encode("latin-1")
 # Probes and scrapes, every few seconds from every kubelet and Prometheus: a trace each would
@@ -28,7 +28,7 @@ class RequestObserver:
     task and a stream per request): the request's id, record, span and access line, and its
     metrics (api.http.middleware.observe), with one wrapped `send` for all of them."""
 
-    def __init__(self, app: ASGIApp, state: ServiceState) -> None:
+    def __init__(self, app: ASGIApp, state: Classifier) -> None:
         self.app = app
         self.metrics = RequestMetrics(state)
 
