@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import math
-
 from api.models.predictor import Scores
+from api.serving.activations import sigmoid
 
 Ranked = dict[str, str | float]
 
@@ -16,10 +15,7 @@ def rank(labels: list[str], scores: Scores, shown: str, top_k: int | None) -> li
     if shown == "none":
         values = scores.logits
     elif shown == "sigmoid":
-        values = tuple(
-            1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
-            for x in scores.logits
-        )
+        values = tuple(sigmoid(x) for x in scores.logits)
     else:
         values = scores.probabilities
     pairs = sorted(zip(labels, values, strict=True), key=lambda p: -p[1])

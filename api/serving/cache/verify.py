@@ -8,10 +8,9 @@ computed again and overwritten, and counted in loraserve_cache_rejected_total.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from api.serving.activations import sigmoid, softmax
 from api.serving.cache.entry import Entry, is_finite
 
 # The predictor computes logits and probabilities in float32 (torch.softmax or torch.sigmoid
@@ -56,27 +55,8 @@ def rejection(entry: Entry, shape: AnswerShape) -> Rejected | None:
         return Rejected("non_finite", "a NaN or infinite score")
     if not all(0.0 <= p <= 1.0 for p in probabilities):
         return Rejected("range", "a probability outside [0, 1]")
-    expected = sigmoids(logits) if shape.multi_label else softmax(logits)
+    expected = [sigmoid(x) for x in logits] if shape.multi_label else softmax(logits)
     tolerance = shape.tolerance
     if any(abs(p - q) > tolerance for p, q in zip(probabilities, expected, strict=True)):
         return Rejected("softmax", "probabilities that are not the logits' softmax or sigmoid")
     return None
-
-
-def softmax(logits: Sequence[float]) -> list[float]:
-    top = max(logits)
-    exps = [math.exp(x - top) for x in logits]
-    total = math.fsum(exps)
-    return [e / total for e in exps]
-
-
-def sigmoids(logits: Sequence[float]) -> list[float]:
-    return [_sigmoid(x) for x in logits]
-
-
-def _sigmoid(x: float) -> float:
-    # Either branch exponentiates a non-positive number: no overflow.
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)
-    return e / (1.0 + e)
