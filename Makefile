@@ -53,7 +53,7 @@ $(STACK_TOOLS): $(INSTALLED)
 ## test: the whole suite (lint included); then the stack test where a Docker Engine can run
 test: $(INSTALLED) $(TOOLS) $(STACK_TOOLS)
 	$(BIN)/python -m pytest -m "not stack"
-	if $(BIN)/python -m tests.docker_engine probe; then $(BIN)/python -m pytest -m stack; fi
+	if $(BIN)/python -m tests.support.docker_engine probe; then $(BIN)/python -m pytest -m stack; fi
 
 ## test-stack: `docker compose up` for real: images built, stack started, scraped, stopped, restarted
 test-stack: $(INSTALLED) $(TOOLS) $(STACK_TOOLS)

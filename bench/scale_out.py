@@ -14,7 +14,7 @@ haproxy (`make test` installs them). Writes bench/reports/scale_out.{md,json}. O
   client, and whether B's answers are A's to the last bit;
 - Redis: bytes per entry as Redis counts them (MEMORY USAGE) and the value's own size;
 - queue wait under load: replica A under 1 to 64 clients of texts it has not seen
-  (tests/load_client.py), SECONDS each: requests/s, the share refused with 429, and the mean
+  (tests/support/load_client.py), SECONDS each: requests/s, the share refused with 429, and the mean
   queue wait of the texts run, from A's own /metrics: what the autoscaler is given.
 """
 
@@ -36,10 +36,10 @@ from typing import Any
 import httpx
 
 from bench.throughput import load_average, wait_for_quiet
-from tests.haproxy_process import load_balancer
-from tests.load_client import metric, rss_kib, run_load, sms_texts
-from tests.redis_server import RedisServer
-from tests.server_process import REPO_ROOT, ServerProcess, run_server
+from tests.support.haproxy_process import load_balancer
+from tests.support.load_client import metric, rss_kib, run_load, sms_texts
+from tests.support.redis_server import RedisServer
+from tests.support.server_process import REPO_ROOT, ServerProcess, run_server
 
 REPORTS = REPO_ROOT / "bench" / "reports"
 TEXTS = 200

@@ -594,7 +594,7 @@ def data_section(data: dict[str, Any]) -> str:
   notice first; so they are ham, even where the words look promotional. The SMS Spam
   Collection's spam stays spam: unsolicited promotions from unknown senders are spam in both.
 - Exact duplicates are counted once; no text is in two splits, and none is shared between
-  the corpora (checked by `tests/test_spam_data.py`).
+  the corpora (checked by `tests/scripts/test_spam_data.py`).
 """
 
 

@@ -1,22 +1,18 @@
-"""Shared fixtures: tiny real checkpoints on disk, settings that ignore the developer's .env."""
+"""Shared fixtures: tiny real checkpoints on disk, settings that ignore the developer's .env.
+The helpers tests import are in tests/support (settings, specs, the app: in_process)."""
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.http.app import create_app
-from api.models.spec import AdapterSpec, ModelSpec
 from api.observability.logs import quiet_libraries
-from api.settings import Settings
-from tests.redis_server import RedisServer
-from tests.tiny_models import LABELS, TinyModel, build_tiny
+from tests.support.in_process import SESSION_FOLDERS, SETTING_NAMES
+from tests.support.redis_server import RedisServer
+from tests.support.tiny_models import TinyModel, build_tiny
 
 quiet_libraries()
 
@@ -42,67 +38,9 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
     yield
 
 
-SETTING_NAMES = {name.upper() for name in Settings.model_fields}
-# In-process loads convert and pre-quantize into a folder of the test session, not into the
-# user's ~/.cache (server processes, started with the environment, still use the default).
-_SESSION_FOLDERS: dict[str, Path] = {}
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _session_model_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    _SESSION_FOLDERS["model_cache_dir"] = tmp_path_factory.mktemp("model-cache")
-
-
-def make_settings(**overrides: object) -> Settings:
-    """Settings from defaults and the given values only (the model cache: the session's)."""
-    values = {**_SESSION_FOLDERS, **overrides}
-    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
-
-
-def spec_for(
-    tiny: TinyModel,
-    name: str = "tiny",
-    adapters: tuple[str, ...] = ("spam", "promo"),
-    **fields: object,
-) -> ModelSpec:
-    """A model spec serving a tiny model with the named adapters."""
-    values: dict[str, object] = {
-        "name": name,
-        "base": str(tiny.base),
-        "labels": LABELS,
-        "max_length": 32,
-        "adapters": [AdapterSpec(name=a, path=tiny.adapters[a], sha256=None) for a in adapters],
-    }
-    values.update(fields)
-    return ModelSpec.model_validate(values)
-
-
-def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    """Polls `condition` until true; fails naming `what` after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
-        time.sleep(0.05)
-
-
-def wait_ready(client: TestClient, timeout: float = 60.0) -> None:
-    """Polls /ready until 200, failing with its body after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while client.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, client.get("/ready").json()
-        time.sleep(0.02)
-
-
-@contextmanager
-def serving(
-    specs: list[ModelSpec], cache_dir: Path, ready_within: float = 60.0, **settings: object
-) -> Iterator[TestClient]:
-    """The real app serving `specs`, its disk cache in `cache_dir`, once ready (which must
-    take less than `ready_within` seconds)."""
-    app = create_app(make_settings(disk_cache_dir=cache_dir, **settings), specs)
-    with TestClient(app) as client:
-        wait_ready(client, ready_within)
-        yield client
+    SESSION_FOLDERS["model_cache_dir"] = tmp_path_factory.mktemp("model-cache")
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 
 from api.cpus import format_cpu_list, parse_cpu_list
 from api.settings import SettingsError, load_settings
-from tests.batch_cli import cli_env, read_jsonl, run_cli
-from tests.server_process import children_of, run_server
-from tests.tiny_models import simulated_entry, write_models_file
+from tests.support.batch_cli import cli_env, read_jsonl, run_cli
+from tests.support.server_process import children_of, run_server
+from tests.support.tiny_models import simulated_entry, write_models_file
 
 AVAILABLE = sorted(os.sched_getaffinity(0))
 

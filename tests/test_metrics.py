@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.http.app import create_app
 from api.metrics import DASHBOARD_METRICS, GPU_METRICS
-from tests.conftest import make_settings, spec_for
-from tests.tiny_models import TinyModel
+from tests.support.in_process import make_settings, spec_for
+from tests.support.tiny_models import TinyModel
 
 
 def samples(text: str) -> dict[str, float]:

@@ -13,7 +13,7 @@ from api.models.spec import (
     load_models_file,
 )
 from api.settings import SettingsError, load_settings
-from tests.tiny_models import TinyModel, write_models_file
+from tests.support.tiny_models import TinyModel, write_models_file
 
 
 def entry(tiny: TinyModel, name: str = "exaone") -> dict[str, object]:

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from api.http.app import create_app
 from api.models.spec import ModelsFileError
 from api.settings import load_settings
-from tests.conftest import wait_ready
-from tests.tiny_models import LABELS, TinyModel, write_models_file
+from tests.support.in_process import wait_ready
+from tests.support.tiny_models import LABELS, TinyModel, write_models_file
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -1,0 +1,1 @@
+"""api.batch: `loraserve score` and `evaluate`, run as a user runs them."""

@@ -1,0 +1,1 @@
+"""bench/: the benchmarks' own code, and their quick and smoke forms."""

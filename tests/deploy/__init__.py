@@ -1,0 +1,1 @@
+"""What deploys the service: the compose stack, its parts, the Kubernetes manifests."""

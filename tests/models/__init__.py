@@ -1,0 +1,1 @@
+"""api.models: loading, quantizing, packing, converting, tokenizing and the model kinds."""

@@ -1,0 +1,1 @@
+"""api.observability: one request followed through its id, logs and trace."""

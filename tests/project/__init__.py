@@ -1,0 +1,1 @@
+"""The project as a whole: lint and types, and the documentation site."""

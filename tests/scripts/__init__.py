@@ -1,0 +1,1 @@
+"""scripts/: the training data loaders and how the spam adapters are scored."""

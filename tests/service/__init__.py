@@ -1,0 +1,1 @@
+"""The whole service as a real process: start-up, reliability, load, fuzzing, scale-out."""

@@ -1,0 +1,1 @@
+"""api.serving: batching and its plan, admission, the cache tiers, the cascade, adapters."""
