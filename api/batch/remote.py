@@ -11,6 +11,7 @@ import httpx
 
 from api.batch.scoring import Outcome, Refused, Servable, Target
 from api.serving.cascade import CASCADE_NAME
+from api.serving.errors import NotFound
 
 # A batch of long texts on a busy CPU server can take a while; the server's own deadline
 # answers first (504, waited out and asked again).
@@ -42,7 +43,7 @@ class RemoteSource:
         if target.cascade:
             cascade = (await self._get("/info")).get("cascade")
             if cascade is None:
-                raise Refused("not_found", f"no {CASCADE_NAME!r}: the server runs no cascade")
+                raise Refused(NotFound.code, f"no {CASCADE_NAME!r}: the server runs no cascade")
             chosen = [models[cascade["first"]], models[cascade["second"]]]
             adapters = [m["default_adapter"] for m in chosen]
             name, adapter = CASCADE_NAME, None
@@ -50,7 +51,7 @@ class RemoteSource:
             first = next(iter(models.values()))
             model = models.get(target.model or first["name"])
             if model is None:
-                raise Refused("not_found", f"no model {target.model!r} (models: {list(models)})")
+                raise Refused(NotFound.code, f"no model {target.model!r} (models: {list(models)})")
             adapter = target.adapter or model["default_adapter"]
             chosen, adapters, name = [model], [adapter], model["name"]
         return Servable(
@@ -103,7 +104,7 @@ def identity_of(model: dict[str, Any], adapter: str | None) -> dict[str, Any]:
         if identity["adapter"] == adapter:
             found: dict[str, Any] = identity
             return found
-    raise Refused("not_found", f"model {model['name']!r} has no adapter {adapter!r}")
+    raise Refused(NotFound.code, f"model {model['name']!r} has no adapter {adapter!r}")
 
 
 def threshold_of(model: dict[str, Any], adapter: str | None) -> float | None:

@@ -34,4 +34,4 @@ def install_middleware(app: FastAPI, service: Classifier, routers: Iterable[APIR
     app.add_middleware(ApiKeyGuard, api_key=api_key, admin_key=admin_key)
     # Outermost: every answer carries the request's id, and its metrics, access line and span
     # see every answer, 401s and 413s included.
-    app.add_middleware(RequestObserver, state=service)
+    app.add_middleware(RequestObserver, service=service)

@@ -163,7 +163,7 @@ def test_every_line_is_a_json_object_and_the_access_line_carries_the_request(
         assert {"time", "level", "logger", "message"} <= set(parsed), parsed
     loggers = {str(parsed["logger"]) for parsed in lines}
     # uvicorn's own lines come through the same handler, as JSON.
-    assert {"uvicorn.error", "loraserve.access", "api.http.app"} <= loggers, loggers
+    assert {"uvicorn.error", "loraserve.access", "api.service.core"} <= loggers, loggers
 
 
 def spans_of(trace_id: str, spans: list[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:

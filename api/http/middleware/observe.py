@@ -51,23 +51,23 @@ class RequestMetrics:
     (api.http.middleware.observer) as each request begins and ends: one layer, one wrapped
     `send`, for both the request's id and its metrics."""
 
-    def __init__(self, state: Classifier) -> None:
-        self.state = state
-        self.metrics = state.metrics
-        self.target_seconds = state.settings.latency_target_seconds
+    def __init__(self, service: Classifier) -> None:
+        self.service = service
+        self.metrics = service.metrics
+        self.target_seconds = service.settings.latency_target_seconds
 
     def began(self) -> bool:
         """Counts a request in flight; True when the drain is to wait for it (it waits for
         the requests accepted before it began: Lifecycle.hold_drain)."""
         self.metrics.requests_in_flight.inc()
-        return self.state.hold_drain()
+        return self.service.hold_drain()
 
     def ended(
         self, route: str, status: int, seconds: float, holds_drain: bool, trace_id: str | None
     ) -> None:
         """Counts a finished request (`began` said whether the drain waited for it)."""
         self.metrics.requests_in_flight.dec()
-        self.state.release_drain(holds_drain)
+        self.service.release_drain(holds_drain)
         metrics, code = self.metrics, str(status)
         duration = metrics.labelled(metrics.request_duration_seconds, route, code)
         # A sampled trace's id as the exemplar: a slow bucket leads to a slow request.

@@ -28,9 +28,9 @@ class RequestObserver:
     task and a stream per request): the request's id, record, span and access line, and its
     metrics (api.http.middleware.observe), with one wrapped `send` for all of them."""
 
-    def __init__(self, app: ASGIApp, state: Classifier) -> None:
+    def __init__(self, app: ASGIApp, service: Classifier) -> None:
         self.app = app
-        self.metrics = RequestMetrics(state)
+        self.metrics = RequestMetrics(service)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
