@@ -232,6 +232,7 @@ def serve(front_end: bool = False) -> int:
         logger.critical("loraserve: %s", exc)
         return EXIT_BAD_SETTINGS
     log_config = configure_logging(settings.log_level, settings.log_format)
+    from api.http.split.socket_claim import SocketInUse
     from api.models.spec import ModelsFileError
     from api.models.tokenizing import keep_tokenizers_serial
     from api.service.core import DeviceFailed
@@ -242,6 +243,12 @@ def serve(front_end: bool = False) -> int:
     if front_end and settings.split_socket is None:
         logger.critical("loraserve front-end: SPLIT_SOCKET is not set: the model side's socket")
         return EXIT_BAD_SETTINGS
+    if front_end:
+        from api.http.split.child import die_with_parent
+
+        if not die_with_parent():
+            logger.critical("loraserve front-end: the process that started it has gone")
+            return EXIT_FRONT_END_FAILED
     with contextlib.ExitStack() as cleanup:
         child = None
         uds = None
@@ -258,7 +265,7 @@ def serve(front_end: bool = False) -> int:
         try:
             tracing.configure()
             server = build_server(settings, log_config, front_end, uds)
-        except (ModelsFileError, CascadeError, TracingConfigError) as exc:
+        except (ModelsFileError, CascadeError, TracingConfigError, SocketInUse) as exc:
             logger.critical("loraserve: %s", exc)
             return EXIT_BAD_SETTINGS
         server.front_end = child

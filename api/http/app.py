@@ -25,16 +25,16 @@ def create_app(
 ) -> FastAPI:
     """Builds the app on a new service core; its models load in the background once the app
     starts (see /ready). `on_fatal`: the core's (api.service.core.Service); the CLI uses it
-    to stop the server with a non-zero exit."""
+    to stop the server with a non-zero exit. With SPLIT_SOCKET set, the socket is claimed
+    here (api.http.split.socket_claim.SocketInUse when another process holds it)."""
     service = Service(settings, specs, on_fatal)
+    model_side: ModelSide | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
         # The split's front ends call in from the start: refused 503 until the models are in.
-        model_side = None
-        if settings.split_socket is not None:
-            model_side = ModelSide(app, service, settings.split_socket)
+        if model_side is not None:
             await model_side.start()
         try:
             yield
@@ -60,4 +60,7 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router)
     install_middleware(app, service, ROUTERS)
+    if settings.split_socket is not None:
+        # Claimed now, before the server starts: SocketInUse if another process holds it.
+        model_side = ModelSide(app, service, settings.split_socket)
     return app

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -46,29 +45,15 @@ from tests.support.runtime_adapter_client import (
     runtime_adapters,
 )
 from tests.support.server_process import ServerProcess, children_of, run_server
+from tests.support.split import FRONT_END, simulated_split_env, split
 from tests.support.tiny_models import (
     LABELS,
     TinyModel,
     build_adapter,
-    simulated_entry,
     tiny_models_file,
-    write_models_file,
 )
 
-FRONT_END = ("front-end",)
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
-
-
-@contextmanager
-def split(folder: Path, env: dict[str, str]) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """The model side, then its front end, both ready; the front end's /ready is the model
-    side's, forwarded."""
-    socket = {"SPLIT_SOCKET": str(folder / "model.sock"), **env}
-    with run_server(socket, folder) as model_side:
-        model_side.wait_ready()
-        with run_server(socket, folder, FRONT_END) as front_end:
-            front_end.wait_ready()
-            yield model_side, front_end
 
 
 @pytest.fixture(scope="module")
@@ -215,16 +200,6 @@ def test_without_families_drops_whole_families_in_both_formats() -> None:
     assert without_families(openmetrics, frozenset({"a"})) == ""
     assert without_families(openmetrics, frozenset({"b"})) == openmetrics.removesuffix("# EOF\n")
     assert "loraserve_requests" in REQUEST_FAMILIES
-
-
-def simulated_split_env(folder: Path, seconds_per_batch: float) -> dict[str, str]:
-    cost = {"seconds_per_batch": seconds_per_batch, "seconds_per_token": 0.0}
-    entry = simulated_entry(simulated=cost)
-    return {
-        "MODELS_FILE": str(write_models_file(folder / "models.yaml", [entry])),
-        "DISK_CACHE_DIR": str(folder / "cache"),
-        "ADMISSION_CONTROL": "false",
-    }
 
 
 def test_a_client_that_goes_has_its_call_dropped_on_the_model_side(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ requests in flight need the models to finish), and stops itself if the child die
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -16,6 +17,10 @@ logger = logging.getLogger(__name__)
 
 # Past DRAIN_SECONDS, what the front end has for its own shutdown before it is killed.
 STOP_GRACE_SECONDS = 5.0
+# The pid of the process that started a front end as its child (the model side): the front
+# end asks the kernel for a SIGTERM when that process ends, however it ends.
+PARENT_PID_VARIABLE = "LORASERVE_SPLIT_PARENT_PID"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class FrontEndExited(RuntimeError):
@@ -36,7 +41,12 @@ class FrontEndProcess:
         return self.kill_at is not None
 
     def start(self) -> None:
-        env = {**os.environ, "SPLIT_SOCKET": str(self.socket_path), "SPLIT_FRONT_END": "false"}
+        env = {
+            **os.environ,
+            "SPLIT_SOCKET": str(self.socket_path),
+            "SPLIT_FRONT_END": "false",
+            PARENT_PID_VARIABLE: str(os.getpid()),
+        }
         self.process = subprocess.Popen([sys.executable, "-m", "api.cli", "front-end"], env=env)
         logger.info("front end started (pid %d)", self.process.pid)
 
@@ -73,3 +83,17 @@ class FrontEndProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def die_with_parent() -> bool:
+    """In a front end started by `FrontEndProcess`: a SIGTERM from the kernel once the parent
+    ends, even by SIGKILL, so no front end outlives its models (Linux's PR_SET_PDEATHSIG; the
+    parent's main thread started it and lives as long as the parent). False when the parent
+    has already gone: the caller stops at once."""
+    parent = os.environ.get(PARENT_PID_VARIABLE)
+    if parent is None:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        logger.warning("no parent-death signal: %s", os.strerror(ctypes.get_errno()))
+    return os.getppid() == int(parent)  # checked after: a parent gone before it is seen here

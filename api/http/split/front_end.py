@@ -4,8 +4,9 @@ own, with the models' process (`loraserve` with the same SPLIT_SOCKET) behind on
 `/predict` is the HTTP door's own route on a RemoteService (api.http.split.remote), which
 checks this process's phase, the deadline and the limits, and has the model side's core
 classify; `/health` is this process's own; `/metrics` is the model side's, with the request
-families (counted here, where every request arrives) and this process's own process metrics.
-Every other request is answered by the model side's app, forwarded whole.
+families (counted here, where every request arrives) and this process's own process metrics;
+the ready probes are this process's while it drains, the model side's otherwise. Every other
+request is answered by the model side's app, forwarded whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from api import __version__
-from api.http.errors import install_error_handlers
+from api.http.errors import install_error_handlers, response_for
 from api.http.layers import install_middleware
 from api.http.routes import status, tei
 from api.http.schemas import HealthResponse
@@ -28,8 +29,8 @@ from api.http.split.remote import ModelSideLink, RemoteService, current_request_
 from api.metrics import PREFIX, REQUEST_FAMILIES
 from api.observability import tracing
 from api.observability.request_id import HEADER
-from api.service.contract import Phase
-from api.serving.errors import ServiceError
+from api.service.contract import RETRY_AFTER_LOADING_SECONDS, Phase
+from api.serving.errors import ServiceError, Unavailable
 from api.serving.heap import ServingHeap
 from api.settings import Settings
 
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 # front end's record decides and the model side then uses.
 NOT_FORWARDED = frozenset({"host", "connection", "content-length", "transfer-encoding"})
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+# The readiness probes (ours, and the Open Inference Protocol's), answered by this process's
+# phase first.
+READY_PATHS = ("/ready", "/v2/health/ready", "/v2/models/{name}/ready")
 FORWARD_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 _REQUEST_ID = HEADER.lower()
 
@@ -127,7 +131,19 @@ def create_front_end_app(settings: Settings) -> FastAPI:
         ]
         return response
 
+    async def ready(request: Request) -> Response:
+        # This process's own phase first: a draining front end is not ready, whatever the
+        # model side would say, so a balancer moves its traffic off before it stops.
+        if not service.serving:
+            refusal = Unavailable(
+                f"front end is {service.phase.value}", RETRY_AFTER_LOADING_SECONDS
+            )
+            return response_for(refusal, request.url.path)
+        return await forward(request)
+
     app.add_api_route("/metrics", merged_metrics, methods=["GET"], include_in_schema=False)
+    for path in READY_PATHS:
+        app.add_api_route(path, ready, methods=["GET"], include_in_schema=False)
     app.add_api_route("/{path:path}", forward, methods=FORWARD_METHODS, include_in_schema=False)
     install_middleware(app, service, [tei.router])
     return app

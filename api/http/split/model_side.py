@@ -12,8 +12,8 @@ has already checked the client's key and body; the socket is the operator's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 from pathlib import Path
 
 import httpx
@@ -36,6 +36,7 @@ from api.http.split.messages import (
     read_calls,
     read_hello,
 )
+from api.http.split.socket_claim import SocketClaim, peer_uid
 from api.observability import tracing
 from api.observability.record import CURRENT, RequestRecord
 from api.service.contract import ClassifyRequest
@@ -50,11 +51,16 @@ CLASSIFY_ROUTE = "/predict"  # the route a call's log lines name: the front end'
 
 class ModelSide:
     """Listens on `path` for front ends, answering each call as one-process serving would:
-    classifying with `service`, anything else with `app`."""
+    classifying with `service`, anything else with `app`. The socket is this process's from
+    construction (SocketInUse if another live one holds it) until `close`; only front ends
+    of this process's own user are answered."""
 
     def __init__(self, app: ASGIApp, service: Service, path: Path) -> None:
         self.service = service
         self.path = path
+        self.claim = SocketClaim(path)
+        self.uid = os.getuid()
+        self.refused_uids: set[int] = set()
         # raise_app_exceptions off: a route's failure is the 500 the app writes, as over HTTP.
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         self.forwarder = httpx.AsyncClient(transport=transport, base_url="http://model-side")
@@ -62,7 +68,7 @@ class ModelSide:
         self.connections: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self.server = await asyncio.start_unix_server(self._serve, str(self.path))
+        self.server = await asyncio.start_unix_server(self._serve, sock=self.claim.bind())
         logger.info("answering front ends on %s", self.path)
 
     async def close(self) -> None:
@@ -73,8 +79,7 @@ class ModelSide:
             connection.cancel()
         await asyncio.gather(*self.connections, return_exceptions=True)
         await self.forwarder.aclose()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        self.claim.release()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = asyncio.current_task()
@@ -83,6 +88,17 @@ class ModelSide:
         replies: PerTurn[Reply] = PerTurn(lambda turn: _send(writer, turn))
         running: dict[int, asyncio.Task[None]] = {}
         try:
+            uid = peer_uid(writer.get_extra_info("socket"))
+            if uid != self.uid:
+                if uid not in self.refused_uids:  # once: a peer retrying must not flood the log
+                    self.refused_uids.add(uid)
+                    logger.error(
+                        "a front end of user %d refused on %s: only user %d's are answered",
+                        uid,
+                        self.path,
+                        self.uid,
+                    )
+                return
             hello = await read_hello(reader)
             writer.write(framed([Hello(PROTOCOL_VERSION)]))
             if hello.version != PROTOCOL_VERSION:
