@@ -16,10 +16,20 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from fastapi import FastAPI
 
-from api.http.split.messages import PROTOCOL_VERSION, Hello, framed
+from api.http.split.messages import (
+    LENGTH,
+    PROTOCOL_VERSION,
+    Classify,
+    Hello,
+    Refused,
+    framed,
+    read_hello,
+    read_replies,
+)
 from api.http.split.model_side import ModelSide
 from api.http.split.socket_claim import SocketClaim, SocketInUse
 from api.service.core import Service
@@ -190,3 +200,133 @@ def listening(port: int) -> bool:
 def zombie(pid: int) -> bool:
     """Exited, not yet reaped (its parent, init here, reaps it in its own time)."""
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+async def test_an_unreadable_call_is_refused_at_once_and_the_connection_serves_on(
+    tiny_bert: TinyModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call of another shape (a release apart) gets its refusal by number at once, logged
+    once without its texts; a well-formed call on the same connection is still answered."""
+    path = tmp_path / "model.sock"
+    service = Service(make_settings(), [spec_for(tiny_bert)])  # not started: loading
+    model_side = ModelSide(FastAPI(), service, path)
+    await model_side.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        writer.write(framed([Hello(PROTOCOL_VERSION)]))
+        assert await read_hello(reader) == Hello(PROTOCOL_VERSION)
+        secret = "a text nobody should see in a log"
+        odd = ["classify", 7, "request-id", None, None, [secret], True]  # fields missing
+        cut = Classify(8, "request-id", None, None, [secret], True, True, 5.0, {})
+        with caplog.at_level(logging.ERROR):
+            writer.write(frame_raw([odd, odd[:2] + ["x"], cut]))
+            by_number: dict[int, object] = {}
+            while not {7, 8} <= by_number.keys():  # the two may come in turns of their own
+                for reply in await asyncio.wait_for(read_replies(reader), timeout=10):
+                    by_number[reply.number] = reply
+        assert isinstance(by_number[7], Refused) and by_number[7].code == "internal_error"
+        assert "could not read the call" in by_number[7].message
+        # Well formed, refused only because the service is still loading.
+        assert isinstance(by_number[8], Refused) and by_number[8].code == "unavailable"
+        logged = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+        assert len(logged) == 1 and secret not in logged[0]
+        writer.close()
+    finally:
+        await model_side.close()
+
+
+async def test_a_front_end_of_another_protocol_version_is_told_and_let_go(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    path = tmp_path / "model.sock"
+    service = Service(make_settings(), [spec_for(tiny_bert)])
+    model_side = ModelSide(FastAPI(), service, path)
+    await model_side.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        writer.write(framed([Hello(PROTOCOL_VERSION + 1)]))
+        assert await asyncio.wait_for(read_hello(reader), timeout=10) == Hello(PROTOCOL_VERSION)
+        assert await asyncio.wait_for(reader.read(), timeout=10) == b""  # then closed
+        writer.close()
+    finally:
+        await model_side.close()
+
+
+def test_a_model_side_of_another_protocol_version_is_a_503_at_once(tmp_path: Path) -> None:
+    """A front end meeting a model side of another release (as in a rolling update of
+    separate containers) answers 503 naming both versions at once, never a 504 later."""
+    path = tmp_path / "model.sock"
+    ready = threading.Event()
+    stop = threading.Event()
+
+    def other_release() -> None:
+        async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_hello(reader)
+            writer.write(framed([Hello(PROTOCOL_VERSION + 1)]))
+            await writer.drain()
+
+        async def serve() -> None:
+            server = await asyncio.start_unix_server(greet, str(path))
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            server.close()
+
+        asyncio.run(serve())
+
+    peer = threading.Thread(target=other_release)
+    peer.start()
+    try:
+        assert ready.wait(10)
+        env = {**simulated_split_env(tmp_path, 0.0), "SPLIT_SOCKET": str(path)}
+        with run_server(env, tmp_path, ("front-end",)) as front_end:
+            front_end.wait_ready(probe="/health")
+            started = time.monotonic()
+            answer = httpx.post(f"{front_end.url}/predict", json={"inputs": "x"}, timeout=30)
+            assert time.monotonic() - started < 2
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        message = answer.json()["error"]["message"]
+        assert f"version {PROTOCOL_VERSION + 1}, this front end {PROTOCOL_VERSION}" in message
+    finally:
+        stop.set()
+        peer.join(timeout=10)
+
+
+def test_a_model_side_that_stops_reading_costs_a_bounded_buffer_and_recovers(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP: the model side reads nothing. The front end writes calls until its buffer
+    passes the bound, then refuses new ones 503 at once; SIGCONT and it serves again."""
+    env = {**simulated_split_env(tmp_path, 0.0), "MAX_TEXT_CHARS": "20000"}
+    texts = ["x" * 20_000] * 32  # ~640 KB a call
+    with split(tmp_path, env) as (model_side, front_end):
+        url = f"{front_end.url}/predict"
+        body = {"inputs": texts, "cache": False}
+        short = {"X-Request-Timeout": "1"}
+        assert httpx.post(url, json=body, timeout=30).status_code == 200
+        model_side.process.send_signal(signal.SIGSTOP)
+        try:
+            refused = None
+            with httpx.Client(timeout=30) as client:
+                for _ in range(40):  # 25 MB in all, past the kernel's buffer and the bound
+                    answer = client.post(url, json=body, headers=short)
+                    if answer.status_code == 503:
+                        refused = answer
+                        break
+                    assert answer.status_code == 504, answer.text
+            assert refused is not None, "the front end buffered every call"
+            assert "not reading its calls" in refused.json()["error"]["message"]
+        finally:
+            model_side.process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        status = 0
+        while time.monotonic() < deadline and status != 200:
+            status = httpx.post(url, json={"inputs": "after"}, timeout=30).status_code
+            time.sleep(0.2)
+        assert status == 200
+
+
+def frame_raw(items: list[object]) -> bytes:
+    """A message of any items at all, framed as the split frames its own."""
+    body = msgspec.msgpack.encode(items)
+    return LENGTH.pack(len(body)) + body

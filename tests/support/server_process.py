@@ -43,8 +43,8 @@ class ServerProcess:
         """Everything the process has written so far."""
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
-    def wait_ready(self, timeout: float = 300.0) -> list[int]:
-        """Polls /ready until 200; returns every status seen on the way.
+    def wait_ready(self, timeout: float = 300.0, probe: str = "/ready") -> list[int]:
+        """Polls `probe` (/ready) until 200; returns every status seen on the way.
 
         The first start of the embedded default on a machine also converts the LLM's GGUF.
         """
@@ -54,7 +54,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited {self.process.returncode}:\n{self.log()}")
             try:
-                status = httpx.get(f"{self.url}/ready", timeout=5).status_code
+                status = httpx.get(f"{self.url}{probe}", timeout=5).status_code
             except httpx.TransportError:
                 time.sleep(0.05)
                 continue

@@ -20,6 +20,7 @@ import httpx
 from starlette.types import ASGIApp
 
 from api.http.split.messages import (
+    MAX_BUFFERED_BYTES,
     PROTOCOL_VERSION,
     Answered,
     BrokenMessage,
@@ -32,7 +33,9 @@ from api.http.split.messages import (
     Hello,
     Refused,
     Reply,
+    Unreadable,
     framed,
+    framed_replies,
     read_calls,
     read_hello,
 )
@@ -109,9 +112,17 @@ class ModelSide:
                     PROTOCOL_VERSION,
                 )
                 return
+            # Past the bound, drain() waits for the front end to read its replies before the
+            # next calls are read: a front end that stops reading stops sending work.
+            writer.transport.set_write_buffer_limits(high=MAX_BUFFERED_BYTES)
+            told = False  # an unreadable call is logged once a connection: no flood
             while True:
                 for call in await read_calls(reader):
-                    self._take(call, running, replies)
+                    if isinstance(call, Unreadable):
+                        told = self._refuse_unreadable(call, replies, told)
+                    else:
+                        self._take(call, running, replies)
+                await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, BrokenMessage):
                 logger.error("a front end sent %s; its connection is closed", exc)
@@ -121,6 +132,20 @@ class ModelSide:
                 task.cancel()
             writer.close()
             self.connections.discard(connection)
+
+    def _refuse_unreadable(self, call: Unreadable, replies: PerTurn[Reply], told: bool) -> bool:
+        """An unreadable call answered at once by its number (lost with none: the front end
+        times it out); logged the first time on a connection. True once logged."""
+        if not told:
+            logger.error(
+                "a front end sent a call this model side cannot read (a release apart, or a "
+                "broken message): %s; it is refused, and so is every such call",
+                call.reason,
+            )
+        if call.number is not None:
+            message = f"the model side could not read the call: {call.reason}"
+            replies.add(Refused(call.number, "internal_error", message, None))
+        return True
 
     def _take(
         self, call: Call, running: dict[int, asyncio.Task[None]], replies: PerTurn[Reply]
@@ -190,4 +215,4 @@ class ModelSide:
 
 def _send(writer: asyncio.StreamWriter, replies: list[Reply]) -> None:
     if not writer.is_closing():
-        writer.write(framed(replies))
+        writer.write(framed_replies(replies))

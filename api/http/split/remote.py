@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from api.http.split.messages import (
+    MAX_BUFFERED_BYTES,
     PROTOCOL_VERSION,
     Answered,
     Call,
@@ -100,6 +101,12 @@ class ModelSideLink:
     async def _ask(self, call: Classify | Forward, give_up_at: float) -> Reply:
         if self.writer is None:
             await self._connect()
+        writer = self.writer
+        if writer is not None and writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
+            # The model side has stopped reading (stalled, stopped): no more for it to hold.
+            raise Unavailable(
+                "the model side is not reading its calls; try again", RETRY_SOON_SECONDS
+            )
         loop = asyncio.get_running_loop()
         number = call.number
         reply: asyncio.Future[Reply] = loop.create_future()
