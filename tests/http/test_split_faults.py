@@ -217,9 +217,9 @@ async def test_an_unreadable_call_is_refused_at_once_and_the_connection_serves_o
         assert await read_hello(reader) == Hello(PROTOCOL_VERSION)
         secret = "a text nobody should see in a log"
         odd = ["classify", 7, "request-id", None, None, [secret], True]  # fields missing
-        cut = Classify(8, "request-id", None, None, [secret], True, True, 5.0, {})
+        well_formed = Classify(8, "request-id", None, None, [secret], True, True, 5.0, {})
         with caplog.at_level(logging.ERROR):
-            writer.write(frame_raw([odd, odd[:2] + ["x"], cut]))
+            writer.write(frame_raw([odd, [*odd[:2], "x"], well_formed]))
             by_number: dict[int, object] = {}
             while not {7, 8} <= by_number.keys():  # the two may come in turns of their own
                 for reply in await asyncio.wait_for(read_replies(reader), timeout=10):
