@@ -19,27 +19,27 @@ bitsandbytes nf4), both result caches off, on loopback:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.throughput import (
-    CACHE_OFF,
+from bench.harness import (
     REPORTS,
     WORK,
     machine,
+    now,
     run_wrk,
     sample_texts,
     server,
     wait_for_quiet,
     write_bodies,
+    write_report,
 )
+from bench.throughput import CACHE_OFF
 from scripts.spam_data import LABELS, LabelledText, load_corpora
 from scripts.spam_eval import EVALUATIONS, compute_metrics, scored_test_splits
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         speed = throughput(target.url, sample_texts(2000), args.rounds, args.seconds)
     report = {
         "meta": {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": now(),
             "machine": machine(),
             "load": load,
             "rounds": args.rounds,
@@ -186,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "quality": quality,
         "throughput": speed,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cascade.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    text = markdown(report)
-    (args.out / "cascade.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(args.out, "cascade", report, markdown(report), indent=1)
     return 0
 
 

@@ -46,17 +46,39 @@ import statistics
 import subprocess
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from api.cpus import format_cpu_list
+from bench.harness import (
+    FRESH_LUA,
+    HEALTH_LUA,
+    LUA,
+    REPO,
+    WORK,
+    add_out,
+    children_cpu_seconds,
+    fresh_env,
+    in_turns,
+    machine,
+    machine_line,
+    out_folder,
+    process_cpu_seconds,
+    run_head,
+    sample_texts,
+    server,
+    wait_for_quiet,
+    warm_up,
+    write_bodies,
+    write_literals,
+    write_report,
+    wrk,
+)
 from bench.revisions import checkout, head_description
 from bench.threads import (
     PY_SPY,
@@ -66,26 +88,8 @@ from bench.threads import (
     thread_waits,
     waits_per_request,
 )
-from bench.throughput import (
-    FRESH_LUA,
-    LUA,
-    REPORTS,
-    WORK,
-    children_cpu_seconds,
-    in_turn,
-    machine,
-    process_cpu_seconds,
-    sample_texts,
-    scrape,
-    server,
-    wait_for_quiet,
-    write_bodies,
-    write_literals,
-    wrk,
-)
+from bench.throughput import scrape
 
-REPO = Path(__file__).resolve().parents[1]
-HEALTH_LUA = REPO / "bench" / "wrk" / "health.lua"
 CLIENTS = 64
 # Small enough never to be the limit: at the issue's example cost (2 ms a batch + 1 µs a
 # padded token) a batch of 32 SMS slept ~4.3 ms, and two such batches in turn held the 64
@@ -306,6 +310,11 @@ def load_point(
     )
 
 
+def warm_ups(texts: Path) -> list[tuple[str, Path, dict[str, str]]]:
+    """A fresh server's warm-up loads, for `warm_up`: fresh one-text /predict, then /health."""
+    return [("", FRESH_LUA, fresh_env(texts)), ("/health", HEALTH_LUA, {})]
+
+
 # --- the server's processes and threads -----------------------------------------------------
 
 
@@ -336,11 +345,6 @@ def threads_waits(processes: Processes) -> dict[int, int]:
 def cpu_seconds(processes: Processes) -> float:
     """The server's processes' CPU seconds, together."""
     return sum(process_cpu_seconds(pid) for pid in processes.values())
-
-
-def fresh_env(texts: Path) -> dict[str, str]:
-    """fresh.lua's settings: one text a request, prefixed so that no run repeats one."""
-    return {"TEXTS": str(texts), "TEXTS_PER": "1", "RUN": uuid.uuid4().hex[:8]}
 
 
 def profile(
@@ -457,7 +461,7 @@ def split_server(
 ) -> Iterator[tuple[str, int, int]]:
     """The split as the service runs it: the model side (`loraserve` with SPLIT_SOCKET,
     `model_env` added to its settings), then its front end (`loraserve front-end` on the same
-    socket), each a server as bench.throughput starts one; the front end's URL and the two
+    socket), each a server as bench.harness starts one; the front end's URL and the two
     processes' ids."""
     with tempfile.TemporaryDirectory() as folder:
         socket = {"SPLIT_SOCKET": str(Path(folder) / "model.sock")}
@@ -526,29 +530,25 @@ def run(
     predict: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
     cached: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
     profiled: dict[tuple[str, str], dict[str, Any]] = {}
-    for number in range(rounds):
-        # Each server is started afresh in every round: one server process kept its rates
-        # ~10 % above or below another's for its whole life.
-        for key in in_turn(servers, number):
-            name, layout = key
-            split, pins = layout in SPLITS, layout_env(layout)
-            with served(split, f"frontend-{name}", {**env, **pins}, {}, code[name]) as target:
-                url, processes = target.url, target.processes
-                wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
-                wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
-                wrk(url, CLIENTS, 1, LUA, cached_env)  # its first request fills the cache
-                health[key].append(
-                    load_point("/health", f"{url}/health", processes, seconds, HEALTH_LUA, {})
-                )
-                predict[key].append(
-                    load_point("/predict", url, processes, seconds, FRESH_LUA, fresh_env(texts))
-                )
-                cached[key].append(
-                    load_point(CACHED_ROUTE, url, processes, seconds, LUA, cached_env)
-                )
-                if number == rounds - 1:
-                    raw = scratch / f"profile-{name}-{layout.replace(' ', '-')}"
-                    profiled[key] = profile(url, processes, profile_seconds, texts, raw)
+    # Each server is started afresh in every round: one server process kept its rates ~10 %
+    # above or below another's for its whole life.
+    for number, key in in_turns(servers, rounds):
+        name, layout = key
+        split, pins = layout in SPLITS, layout_env(layout)
+        with served(split, f"frontend-{name}", {**env, **pins}, {}, code[name]) as target:
+            url, processes = target.url, target.processes
+            # The cached route's first request fills the cache.
+            warm_up(url, CLIENTS, [*warm_ups(texts), ("", LUA, cached_env)])
+            health[key].append(
+                load_point("/health", f"{url}/health", processes, seconds, HEALTH_LUA, {})
+            )
+            predict[key].append(
+                load_point("/predict", url, processes, seconds, FRESH_LUA, fresh_env(texts))
+            )
+            cached[key].append(load_point(CACHED_ROUTE, url, processes, seconds, LUA, cached_env))
+            if number == rounds - 1:
+                raw = scratch / f"profile-{name}-{layout.replace(' ', '-')}"
+                profiled[key] = profile(url, processes, profile_seconds, texts, raw)
 
     def of(key: tuple[str, str]) -> dict[str, Any]:
         return summary(health[key], predict[key], cached[key], profiled[key])
@@ -563,9 +563,7 @@ def run(
         return found
 
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {**machine(), "py_spy": version("py-spy")},
-        "load_average_at_start": load_at_start,
+        **run_head({**machine(), "py_spy": version("py-spy")}, load_at_start),
         "clients": CLIENTS,
         "seconds_per_run": seconds,
         "simulated": SIMULATED,
@@ -649,12 +647,11 @@ def report(result: dict[str, Any]) -> str:
     m = result["machine"]
     layouts = layouts_of_run(result)
     target = result["targets"]
+    written_by = "`make bench-frontend` (bench/frontend.py)."
     lines = [
         "# Front end: one text a request on a simulated device",
         "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; {m['client']}; py-spy {m['py_spy']}; load average at start "
-        f"{result['load_average_at_start']}. Written by `make bench-frontend` (bench/frontend.py).",
+        machine_line(result, written_by, tools=[m["client"], f"py-spy {m['py_spy']}"]),
         "",
         f"The real server with one simulated model ({result['simulated']['seconds_per_batch']} s "
         f"a batch + {result['simulated']['seconds_per_token']} s a token, never the limit), "
@@ -842,20 +839,17 @@ def rounded_median(values: Iterable[float], digits: int = 1) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, one round")
+    add_out(parser, quick_help="smoke run: 2 s runs, one round")
     parser.add_argument("--seconds", type=float, help="seconds a run (default 10)")
     parser.add_argument("--rounds", type=int, help="/health + /predict rounds (default 3)")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
     parser.add_argument("--base", help="a revision to measure beside this checkout, in turns")
     args = parser.parse_args()
     quick = args.quick
     seconds = args.seconds or (2.0 if quick else 10.0)
     rounds = args.rounds or (1 if quick else 3)
-    out = args.out or (REPO / "bench" / "out" / "frontend-quick" if quick else REPORTS)
+    out = out_folder(args.out, quick, "frontend")
     result = run(seconds, rounds, seconds, out, args.base)
-    (out / "frontend.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    (out / "frontend.md").write_text(report(result), encoding="utf-8")
-    print(report(result))
+    write_report(out, "frontend", result, report(result))
 
 
 if __name__ == "__main__":

@@ -22,19 +22,26 @@ import statistics
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from bench.gpu_load import replicas
-from bench.report_files import write_report
-from bench.throughput import machine, run_wrk, sample_texts, wait_for_quiet, write_bodies
+from bench.harness import (
+    OUT,
+    REPO,
+    REPORTS,
+    machine,
+    run_head,
+    run_wrk,
+    sample_texts,
+    wait_for_quiet,
+    write_bodies,
+    write_report,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-REPORTS = REPO / "bench" / "reports"
-WORK = REPO / "bench" / "out" / "replica-threads"
+WORK = OUT / "replica-threads"
 MODEL = "spam-minilm"
 CLIENTS = 32
 
@@ -90,9 +97,7 @@ def run(seconds: float, rounds: int, warmup: float) -> dict[str, Any]:
             }
         )
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "load_average_at_start": load_average,
+        **run_head(machine(), load_average),
         "cores": cores,
         "clients": CLIENTS,
         "seconds": seconds,

@@ -21,7 +21,6 @@ haproxy (`make test` installs them). Writes bench/reports/scale_out.{md,json}. O
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import statistics
@@ -29,19 +28,17 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.throughput import load_average, wait_for_quiet
+from bench.harness import REPORTS, load_average, now, wait_for_quiet, write_report
 from tests.haproxy_process import load_balancer
 from tests.load_client import metric, rss_kib, run_load, sms_texts
 from tests.redis_server import RedisServer
-from tests.server_process import REPO_ROOT, ServerProcess, run_server
+from tests.server_process import ServerProcess, run_server
 
-REPORTS = REPO_ROOT / "bench" / "reports"
 TEXTS = 200
 SECONDS = 8.0
 CLIENTS = (1, 4, 16, 64)
@@ -245,15 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="scale-out-") as folder:
         report = run(Path(folder))
     report["meta"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": now(),
         "load": load,
         "load_end": load_average(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale_out.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    (args.out / "scale_out.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(args.out, "scale_out", report, markdown(report), indent=1)
     return 0
 
 

@@ -28,17 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.frontend import CLIENTS, fresh_env
+from bench.frontend import CLIENTS
+from bench.harness import (
+    FRESH_LUA,
+    busy_cpu_seconds,
+    fresh_env,
+    per_second,
+    process_cpu_seconds,
+    wrk,
+)
 from bench.split_served import (
     SEE_BENCHMARKS,
     Layouts,
     layouts_report_head,
     main_of,
-    per_second,
     run_layouts,
     warmed_health_rate,
 )
-from bench.throughput import FRESH_LUA, busy_cpu_seconds, process_cpu_seconds, wrk
 
 CORES = os.cpu_count() or 1  # /proc/stat's first line counts every online core
 

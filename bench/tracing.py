@@ -2,7 +2,7 @@
 0.1), and with JSON access lines at info, in one run.
 
 Run: `python -m bench.tracing` (or `make bench-tracing`); `--quick` is a smoke run that writes
-into bench/out/tracing-quick/. Needs `wrk`, as bench.throughput, whose helpers it uses.
+into bench/out/tracing-quick/. Needs `wrk`, as bench.throughput, whose measurements it uses.
 Writes bench/reports/tracing.{md,json}.
 
 Four servers of the embedded default run side by side (the idle ones cost nothing):
@@ -37,22 +37,18 @@ from pathlib import Path
 
 import httpx
 
-from bench.throughput import (
-    CACHE_OFF,
-    REPO,
-    REPORTS,
-    TARGET_CLIENTS,
+from bench.harness import (
     WORK,
-    Config,
-    Point,
     RunningServer,
     machine,
-    measure,
+    out_folder,
     sample_texts,
     server,
     wait_for_quiet,
     write_bodies,
+    write_report,
 )
+from bench.throughput import CACHE_OFF, TARGET_CLIENTS, Config, Point, measure
 
 ROUNDS = 3
 TRACED = {"OTEL_TRACES_SAMPLER": "always_on"}
@@ -196,10 +192,8 @@ def run(config: Config) -> list[Figure]:
         "settings": systems("<sink>"),
         "cache_off": CACHE_OFF,
     }
-    (config.out / "tracing.json").write_text(
-        json.dumps({**info, "figures": [asdict(f) for f in results]}, indent=2) + "\n"
-    )
-    (config.out / "tracing.md").write_text(markdown(results, config, info))
+    found = {**info, "figures": [asdict(f) for f in results]}
+    write_report(config.out, "tracing", found, markdown(results, config, info))
     return results
 
 
@@ -224,7 +218,7 @@ def main() -> None:
         texts=64 if quick else 512,
         cache_seconds=0.0,
         load_wait=0.0 if quick else 900.0,
-        out=args.out or (REPO / "bench" / "out" / "tracing-quick" if quick else REPORTS),
+        out=out_folder(args.out, quick, "tracing"),
     )
     for figure in run(config):
         print(json.dumps(asdict(figure)), flush=True)
