@@ -680,11 +680,87 @@ def report(result: dict[str, Any]) -> str:
             f"| **{found['ratio']}** | {found['ratios']} | {p['p99_ms']} "
             f"| {found['predict_cpu_us_median']} | {'yes' if met else 'no'} |"
         )
+    lines += reading(layouts, target["ratio"], m["cores"])
     for layout, found in layouts.items():
         lines += layout_section(LAYOUT_TITLES[layout], found)
     if "base" in result:
         lines += comparison(result)
     return "\n".join(lines) + "\n"
+
+
+# Why a layout stands where it does, after the figures that show it (the report's reading).
+WHY = {
+    SPLIT_PINNED: "Pinned, each event loop keeps a core of its own; unpinned, a batch's answers "
+    "wake the model side, the front end and wrk at once, and the loops then wait for a core "
+    "(`make bench-split-waits`).",
+    SPLIT_PINNED_SMALL_BATCHES: "With 64 clients, batches of 16 keep four in flight, most "
+    "likely so that each process's core more often has a batch's requests to work on.",
+}
+NAMED = {
+    SPLIT: "the split",
+    SPLIT_PINNED: "the pinned split",
+    SPLIT_PINNED_SMALL_BATCHES: "the pinned split with batches of 16",
+}
+# Each layout against the one it adds to.
+BEFORE = {SPLIT: ONE_PROCESS, SPLIT_PINNED: SPLIT, SPLIT_PINNED_SMALL_BATCHES: SPLIT_PINNED}
+
+
+def reading(layouts: dict[str, dict[str, Any]], target: float, cores: int) -> list[str]:
+    """What the run's figures say: each layout against the one before it, in the same
+    rounds, and what bounds one process."""
+    one = layouts[ONE_PROCESS]
+    h, p = one["median_round"]["health"], one["median_round"]["predict"]
+    lines = [
+        "",
+        "## What the figures say",
+        "",
+        "Each round starts every layout afresh, with an empty disk tier, in turns: one server "
+        "process kept its rate above or below another's for its whole life, and a disk tier "
+        "grown over earlier runs writes slower "
+        "([Measured in tests](measured_in_tests.md#the-benchmarks-method)). So only figures "
+        "of the same run compare, and each layout is set against another in the same rounds.",
+        "",
+        f"- **One process** is bound by its Python work, which the GIL runs one thread at a "
+        f"time: its threads used {p['server_cores']} cores for /predict ({h['server_cores']} "
+        f"for /health) and wrk {cores_of(p)}, of the machine's {cores}. A /health took "
+        f"{h['server_cpu_us_per_request']} µs of server CPU and a fresh /predict "
+        f"{p['server_cpu_us_per_request']}: to reach {target} of /health's rate on that core, "
+        f"a /predict would have to take {h['server_cpu_us_per_request'] / target:.0f} µs in "
+        "all.",
+    ]
+    for layout, found in layouts.items():
+        if layout not in BEFORE or BEFORE[layout] not in layouts:
+            continue
+        before = BEFORE[layout]
+        base = layouts[before]
+        above = sum(a > b for a, b in zip(found["ratios"], base["ratios"], strict=True))
+        why = f" {WHY[layout]}" if layout in WHY else ""
+        named = the(layout)
+        lines.append(
+            f"- **{named[0].upper()}{named[1:]}** served {more(found, base)} more /predict "
+            f"requests a second than {the(before)} (medians of the rounds), its ratio above "
+            f"{the(before)}'s in {above} of {len(found['ratios'])} rounds, at "
+            f"{found['predict_cpu_us_median']} µs of server CPU a /predict against "
+            f"{base['predict_cpu_us_median']}.{why}"
+        )
+    return lines
+
+
+def the(layout: str) -> str:
+    """A layout as a sentence names it: "one process", "the pinned split"."""
+    return NAMED.get(layout, layout)
+
+
+def cores_of(point: dict[str, Any]) -> float:
+    """wrk's cores over a run: its CPU a request times the requests a second."""
+    return round(point["client_cpu_us_per_request"] * point["requests_per_s"] / 1e6, 2)
+
+
+def more(found: dict[str, Any], base: dict[str, Any]) -> str:
+    """How much more /predict a layout served than `base`: a share, the medians of the
+    rounds' rates."""
+    rates = [rounded_median(p["requests_per_s"] for p in each["predict"]) for each in (found, base)]
+    return f"{rates[0] / rates[1] - 1:.0%}"
 
 
 def layouts_of_run(found: dict[str, Any]) -> dict[str, dict[str, Any]]:

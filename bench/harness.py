@@ -332,16 +332,19 @@ def run_head(found_machine: dict[str, Any], load_at_start: float) -> dict[str, A
 def machine_line(figures: dict[str, Any], written_by: str, tools: Sequence[str] = ()) -> str:
     """A report's line under its title, from `run_head`'s figures: when, on what machine
     (and with which `tools`), at what load, and `written_by` what."""
-    m = figures["machine"]
     return "; ".join(
         [
             figures["date"],
-            f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB",
-            f"Python {m['python']}",
+            machine_words(figures["machine"]),
             *tools,
             f"load average at start {figures['load_average_at_start']}. Written by {written_by}",
         ]
     )
+
+
+def machine_words(m: dict[str, Any]) -> str:
+    """A machine as a report names it: CPU, cores, memory and Python."""
+    return f"{m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python {m['python']}"
 
 
 def run_meta(

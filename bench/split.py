@@ -391,8 +391,8 @@ def report(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "What the two budgets say about a split of the service is in [Benchmarks]"
-        "(../../benchmarks.md#front-end-one-text-requests).",
+        "The split as the service runs it, measured whole: "
+        "[A split served end to end](split_served.md).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -851,6 +851,7 @@ def markdown(
             for t in found
         ),
         "",
+        *reading(points),
         "## What the server did (from its /metrics, and CPU time from /proc)",
         "",
         "Mean batch: texts per forward. Model busy: the share of the wall time a forward was "
@@ -863,6 +864,26 @@ def markdown(
         "Plot: [throughput.png](throughput.png) (needs matplotlib: `pip install matplotlib`).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def reading(points: list[Point]) -> list[str]:
+    """What keeps served below the raw model, from how busy the model was."""
+    served = by_clients(points, "served")
+    if TARGET_CLIENTS not in served:
+        return []
+    most, at = served[max(served)], served[TARGET_CLIENTS]
+    return [
+        "## What the figures say",
+        "",
+        f"At {most.clients} clients the batches held {most.mean_batch:.1f} texts and the model "
+        f"was busy {most.model_busy:.0%} of the time, yet served stays below raw: the event "
+        "loop's work for the next requests runs beside the forward on the same cores, and a "
+        "torch thread descheduled for it holds up the other at each parallel region "
+        "([threads on a shared CPU](../../loading.md#speed-and-memory-on-this-cpu)). At "
+        f"{TARGET_CLIENTS} clients the model was busy {at.model_busy:.0%} of the time: it waits "
+        "while the event loop answers a whole batch's clients and reads their next requests.",
+        "",
+    ]
 
 
 def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
