@@ -108,7 +108,8 @@ ONE_PROCESS, SPLIT, SPLIT_PINNED = "one process", "split", "split, pinned"
 SPLIT_PINNED_SMALL_BATCHES = "split, pinned, batches of 16"
 SPLITS = (SPLIT, SPLIT_PINNED, SPLIT_PINNED_SMALL_BATCHES)
 # A quarter of CLIENTS: with a device this much faster than the front end, four batches in
-# flight kept each pinned process's core busier than two of 32 did (docs/benchmarks.md).
+# flight kept each pinned process's core busier than two of 32 did (the A/B runs of
+# bench/reports/measured_in_tests.md).
 SMALL_BATCHES = {"MAX_BATCH_SIZE": "16"}
 # A layout's processes by label: "" for the one process (its threads need no prefix), or the
 # split's "front end" and "model side".
