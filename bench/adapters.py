@@ -46,6 +46,7 @@ from bench.harness import (
     REPO,
     REPORTS,
     machine,
+    machine_bullet,
     now,
     sample_texts,
     server,
@@ -266,8 +267,7 @@ def markdown(meta: dict[str, Any]) -> str:
             "",
             f"Written by `python -m bench.adapters` on {meta['date']}.",
             "",
-            f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, torch "
-            f"{m['torch']}, {meta['threads']} torch threads; {shared(meta['load_average'])}",
+            f"{machine_bullet(m, meta['threads'])}; {shared(meta['load_average'])}",
             "- Server: `python -m api.cli`, all-MiniLM-L6-v2 float32 with its spam adapter "
             "unmerged, `runtime_adapters: true`, LRU and disk cache off, admission control off "
             "(every request served, its latency counted). Adapters: the embedded "

@@ -31,6 +31,7 @@ from bench.harness import (
     REPORTS,
     WORK,
     machine,
+    machine_bullet,
     now,
     run_wrk,
     sample_texts,
@@ -109,9 +110,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Written by `python -m bench.cascade` on {meta['date']}.",
         "",
-        f"- Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
-        f"torch {meta['machine']['torch']}, {THREADS} torch threads; client "
-        f"{meta['machine']['client']}; load average {meta['load']['at_start']:.2f} at the start.",
+        f"{machine_bullet(meta['machine'], THREADS)}; client {meta['machine']['client']}; "
+        f"load average {meta['load']['at_start']:.2f} at the start.",
         "- Server: `python -m api.cli` with the embedded default (spam-minilm merged + dynamic "
         "int8; spam-smollm2 bitsandbytes nf4 with its adapter), LRU and disk cache off, "
         f"CASCADE_THRESHOLD {meta['threshold']}.",

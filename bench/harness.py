@@ -373,7 +373,7 @@ def machine_bullet(m: dict[str, Any], threads: int) -> str:
     """The report's machine as a list item: CPU, memory, Python, torch and its threads."""
     return (
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Python "
-        f"{m['python']}, torch {m['torch']}; {threads} torch threads everywhere"
+        f"{m['python']}, torch {m['torch']}; {threads} torch threads"
     )
 
 

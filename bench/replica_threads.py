@@ -33,6 +33,7 @@ from bench.harness import (
     REPO,
     REPORTS,
     machine,
+    machine_line,
     run_head,
     run_wrk,
     sample_texts,
@@ -123,14 +124,11 @@ def together(urls: list[str], seconds: float, bodies: Path) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    machine_line = report["machine"]
     one = report["rows"][0]["texts_per_s"]
     lines = [
         "# Replicas on one CPU host: torch's threads per replica",
         "",
-        f"{report['date']}; {machine_line['cpu']}, {report['cores']} cores; "
-        f"load average at start {report['load_average_at_start']}. Written by "
-        "`python -m bench.replica_threads`.",
+        machine_line(report, "`python -m bench.replica_threads`."),
         "",
         f"The embedded encoder ({MODEL}), caches and admission off, served by one replica, then "
         f"by two started together on this host, each with torch's default threads and with "

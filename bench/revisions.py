@@ -173,7 +173,7 @@ def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> 
         "",
         f"Written by `{meta['command']}` on {meta['date']}: base {base}, head {head}.",
         "",
-        f"{machine_bullet(m, meta['config']['threads'])}; load average at the start "
+        f"{machine_bullet(m, meta['config']['threads'])} everywhere; load average at the start "
         f"{meta['load_average']['at_start']:.2f}.",
         f"- Client: {m['client']}, 1 thread, {TARGET_CLIENTS} connections, each request one "
         f"text cycling through {meta['config']['texts']} distinct SMS texts; "

@@ -33,7 +33,15 @@ from typing import Any
 
 import httpx
 
-from bench.harness import REPORTS, load_average, now, wait_for_quiet, write_report
+from bench.harness import (
+    REPORTS,
+    host,
+    load_average,
+    machine_words,
+    now,
+    wait_for_quiet,
+    write_report,
+)
 from tests.haproxy_process import load_balancer
 from tests.load_client import metric, rss_kib, run_load, sms_texts
 from tests.redis_server import RedisServer
@@ -177,9 +185,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Scale-out: replica cost, cross-replica hit, queue wait under load",
         "",
-        f"Written by `python -m bench.scale_out` on {meta['date']}; 2-core CPU, load average "
-        f"{meta['load']['at_start']} at the start, {meta['load_end']} at the end. The embedded "
-        "default (spam-minilm and spam-smollm2), default settings, REDIS_URL and "
+        f"Written by `python -m bench.scale_out` on {meta['date']}; {machine_of(meta)}, load "
+        f"average {meta['load']['at_start']} at the start, {meta['load_end']} at the end. The "
+        "embedded default (spam-minilm and spam-smollm2), default settings, REDIS_URL and "
         f"REDIS_CACHE_SECRET set, TORCH_NUM_THREADS={report['torch_num_threads']} in each "
         "replica (the two share this host's cores, as compose's replicas do).",
         "",
@@ -231,6 +239,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_of(meta: dict[str, Any]) -> str:
+    """The machine as the report names it; a run that did not record its machine (the first
+    ones) was on a 2-core CPU."""
+    return machine_words(meta["machine"]) if "machine" in meta else "2-core CPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPORTS, help="report folder")
@@ -243,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run(Path(folder))
     report["meta"] = {
         "date": now(),
+        "machine": host(),
         "load": load,
         "load_end": load_average(),
     }

@@ -762,7 +762,7 @@ def markdown(
         "",
         f"Written by `{meta['command']}` on {meta['date']}.",
         "",
-        f"{machine_bullet(m, config['threads'])}.",
+        f"{machine_bullet(m, config['threads'])} everywhere.",
         f"- Load average (1 min) before the run: {load['first']:.2f}; at the start "
         f"{load['at_start']:.2f} after waiting {load['waited_s']} s (the run waits, up to "
         f"{config['load_wait']:.0f} s, for it to be ≤ {BUSY_LOAD}).",
