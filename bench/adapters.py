@@ -33,30 +33,33 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 from safetensors.torch import load_file, save_file
 
-from bench.throughput import (
+from bench.harness import (
     BUSY_LOAD,
-    CACHE_OFF,
     LUA,
+    OUT,
     REPO,
     REPORTS,
     machine,
+    machine_bullet,
+    now,
     sample_texts,
     server,
     wait_for_quiet,
     write_bodies,
+    write_report,
 )
-from bench.throughput import (
+from bench.harness import (
     WORK as SERVER_WORK,
 )
+from bench.throughput import CACHE_OFF
 
-WORK = REPO / "bench" / "out" / "adapters"
+WORK = OUT / "adapters"
 EMBEDDED_ADAPTER = REPO / "artifacts" / "spam-minilm" / "adapter"
 CLIENTS = 8
 # Admission control off: on a CPU shared with other work it refuses (429) most of the load
@@ -264,8 +267,7 @@ def markdown(meta: dict[str, Any]) -> str:
             "",
             f"Written by `python -m bench.adapters` on {meta['date']}.",
             "",
-            f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, torch "
-            f"{m['torch']}, {meta['threads']} torch threads; {shared(meta['load_average'])}",
+            f"{machine_bullet(m, meta['threads'])}; {shared(meta['load_average'])}",
             "- Server: `python -m api.cli`, all-MiniLM-L6-v2 float32 with its spam adapter "
             "unmerged, `runtime_adapters: true`, LRU and disk cache off, admission control off "
             "(every request served, its latency counted). Adapters: the embedded "
@@ -325,7 +327,7 @@ def main() -> None:
             load(client, "live", v1)
         swaps, probes, wrk = swaps_under_load(running.url, v1, v2)
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": now(),
         "machine": machine(),
         "load_average": quiet,
         "threads": args.threads,
@@ -334,10 +336,7 @@ def main() -> None:
         "swaps": [asdict(s) for s in swaps],
         "wrk": wrk,
     }
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    (REPORTS / "adapters.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    (REPORTS / "adapters.md").write_text(markdown(meta), encoding="utf-8")
-    print(markdown(meta))
+    write_report(REPORTS, "adapters", meta, markdown(meta))
 
 
 if __name__ == "__main__":

@@ -19,27 +19,28 @@ bitsandbytes nf4), both result caches off, on loopback:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.throughput import (
-    CACHE_OFF,
+from bench.harness import (
     REPORTS,
     WORK,
     machine,
+    machine_bullet,
+    now,
     run_wrk,
     sample_texts,
     server,
     wait_for_quiet,
     write_bodies,
+    write_report,
 )
+from bench.throughput import CACHE_OFF
 from scripts.spam_data import LABELS, LabelledText, load_corpora
 from scripts.spam_eval import EVALUATIONS, compute_metrics, scored_test_splits
 
@@ -109,9 +110,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Written by `python -m bench.cascade` on {meta['date']}.",
         "",
-        f"- Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
-        f"torch {meta['machine']['torch']}, {THREADS} torch threads; client "
-        f"{meta['machine']['client']}; load average {meta['load']['at_start']:.2f} at the start.",
+        f"{machine_bullet(meta['machine'], THREADS)}; client {meta['machine']['client']}; "
+        f"load average {meta['load']['at_start']:.2f} at the start.",
         "- Server: `python -m api.cli` with the embedded default (spam-minilm merged + dynamic "
         "int8; spam-smollm2 bitsandbytes nf4 with its adapter), LRU and disk cache off, "
         f"CASCADE_THRESHOLD {meta['threshold']}.",
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         speed = throughput(target.url, sample_texts(2000), args.rounds, args.seconds)
     report = {
         "meta": {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": now(),
             "machine": machine(),
             "load": load,
             "rounds": args.rounds,
@@ -186,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "quality": quality,
         "throughput": speed,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cascade.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    text = markdown(report)
-    (args.out / "cascade.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(args.out, "cascade", report, markdown(report), indent=1)
     return 0
 
 

@@ -31,7 +31,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +39,16 @@ import diskcache
 from api.metrics import Metrics
 from api.serving.cache.disk import DiskTier, value_text
 from api.serving.cache.text_disk import TextOnlyDisk
-from bench.report_files import write_report
-from bench.throughput import REPORTS, host, wait_for_quiet
+from bench.harness import (
+    add_out,
+    host,
+    machine_line,
+    out_folder,
+    quiet_start,
+    run_head,
+    write_report,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 TRANSACTION = 64
 MAX_BYTES = 2**30  # the service's default DISK_CACHE_MAX_BYTES: nothing is evicted here
 ANSWER = ((0.25, 0.75), (-0.5493061443340549, 0.5493061443340549))
@@ -112,7 +117,7 @@ def check_same_rows(
 
 
 def run(entries: int, rounds: int, quick: bool) -> dict[str, Any]:
-    load_at_start = 0.0 if quick else wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]
+    load_at_start = quiet_start(quick, LOAD_WAIT_SECONDS)
     one_round(entries, "warm-up")
     measured = []
     for number in range(rounds):
@@ -120,9 +125,7 @@ def run(entries: int, rounds: int, quick: bool) -> dict[str, Any]:
         print(json.dumps(measured[-1]), flush=True)
     medians = {key: statistics.median(r[key] for r in measured) for key in measured[0]}
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": host(),
-        "load_average_at_start": load_at_start,
+        **run_head(host(), load_at_start),
         "entries": entries,
         "transaction": TRANSACTION,
         "rounds": measured,
@@ -131,13 +134,11 @@ def run(entries: int, rounds: int, quick: bool) -> dict[str, Any]:
 
 
 def report(result: dict[str, Any]) -> str:
-    m, medians = result["machine"], result["medians"]
+    medians = result["medians"]
     lines = [
         "# The disk tier's CPU a text, against diskcache's own calls",
         "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; load average at start {result['load_average_at_start']}. Written by "
-        "`make bench-disk-tier` (bench/disk_tier.py).",
+        machine_line(result, "`make bench-disk-tier` (bench/disk_tier.py)."),
         "",
         f"Each round: {result['entries']:,} answers written in transactions of "
         f"{result['transaction']}, into a new table each way; then those keys and as many "
@@ -172,12 +173,11 @@ def report(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run of a few seconds")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
+    add_out(parser, quick_help="smoke run of a few seconds")
     args = parser.parse_args()
     quick = args.quick
     entries, rounds = (2_048, 1) if quick else (51_200, 5)
-    out = args.out or (REPO / "bench" / "out" / "disk-tier-quick" if quick else REPORTS)
+    out = out_folder(args.out, quick, "disk-tier")
     result = run(entries, rounds, quick)
     write_report(out, "disk_tier", result, report(result))
 

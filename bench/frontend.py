@@ -46,17 +46,39 @@ import statistics
 import subprocess
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from api.cpus import format_cpu_list
+from bench.harness import (
+    FRESH_LUA,
+    HEALTH_LUA,
+    LUA,
+    REPO,
+    WORK,
+    add_out,
+    children_cpu_seconds,
+    fresh_env,
+    in_turns,
+    machine,
+    machine_line,
+    out_folder,
+    process_cpu_seconds,
+    run_head,
+    sample_texts,
+    server,
+    wait_for_quiet,
+    warm_up,
+    write_bodies,
+    write_literals,
+    write_report,
+    wrk,
+)
 from bench.revisions import checkout, head_description
 from bench.threads import (
     PY_SPY,
@@ -66,26 +88,8 @@ from bench.threads import (
     thread_waits,
     waits_per_request,
 )
-from bench.throughput import (
-    FRESH_LUA,
-    LUA,
-    REPORTS,
-    WORK,
-    children_cpu_seconds,
-    in_turn,
-    machine,
-    process_cpu_seconds,
-    sample_texts,
-    scrape,
-    server,
-    wait_for_quiet,
-    write_bodies,
-    write_literals,
-    wrk,
-)
+from bench.throughput import scrape
 
-REPO = Path(__file__).resolve().parents[1]
-HEALTH_LUA = REPO / "bench" / "wrk" / "health.lua"
 CLIENTS = 64
 # Small enough never to be the limit: at the issue's example cost (2 ms a batch + 1 µs a
 # padded token) a batch of 32 SMS slept ~4.3 ms, and two such batches in turn held the 64
@@ -104,7 +108,8 @@ ONE_PROCESS, SPLIT, SPLIT_PINNED = "one process", "split", "split, pinned"
 SPLIT_PINNED_SMALL_BATCHES = "split, pinned, batches of 16"
 SPLITS = (SPLIT, SPLIT_PINNED, SPLIT_PINNED_SMALL_BATCHES)
 # A quarter of CLIENTS: with a device this much faster than the front end, four batches in
-# flight kept each pinned process's core busier than two of 32 did (docs/benchmarks.md).
+# flight kept each pinned process's core busier than two of 32 did (the A/B runs of
+# bench/reports/measured_in_tests.md).
 SMALL_BATCHES = {"MAX_BATCH_SIZE": "16"}
 # A layout's processes by label: "" for the one process (its threads need no prefix), or the
 # split's "front end" and "model side".
@@ -142,7 +147,7 @@ RULES = (
         ("encode", "encode_many", "_refusal", "_encode_prompted", "_encode_prompted_request"),
     ),
     Rule("predictor", "api/models/"),
-    Rule("predictor", "api/http/app.py", ("predict_batch",)),
+    Rule("predictor", "api/service/runners.py", ("predict_batch",)),
     Rule("cache lookup and store", "api/serving/cache/"),
     Rule("admission", "api/serving/admission.py"),
     Rule(QUEUE, "api/serving/batching.py", ("submit", "_run_rows", "_deliver", "_fail")),
@@ -153,12 +158,13 @@ RULES = (
     Rule("response", "starlette/responses.py"),
     Rule("response", "fastapi/routing.py", ("serialize_response",)),
     Rule("response", "api/serving/ranking.py"),
-    Rule("response", "api/http/lifecycle.py", ("headers",)),
+    Rule("response", "api/http/classifying.py", ("answer_headers",)),
     Rule("metrics", "prometheus_client/"),
     Rule("metrics", "api/http/middleware/observe.py"),
     Rule(ASGI, "api/http/middleware/"),
     Rule("route and lifecycle", "api/http/"),
     Rule("route and lifecycle", "api/serving/"),
+    Rule("route and lifecycle", "api/service/"),
     Rule(QUEUE, "concurrent/futures/"),
     Rule(QUEUE, "asyncio/futures.py"),
     Rule(QUEUE, "asyncio/tasks.py", ("wait", "_wait", "_release_waiter", "_on_completion")),
@@ -306,6 +312,11 @@ def load_point(
     )
 
 
+def warm_ups(texts: Path) -> list[tuple[str, Path, dict[str, str]]]:
+    """A fresh server's warm-up loads, for `warm_up`: fresh one-text /predict, then /health."""
+    return [("", FRESH_LUA, fresh_env(texts)), ("/health", HEALTH_LUA, {})]
+
+
 # --- the server's processes and threads -----------------------------------------------------
 
 
@@ -336,11 +347,6 @@ def threads_waits(processes: Processes) -> dict[int, int]:
 def cpu_seconds(processes: Processes) -> float:
     """The server's processes' CPU seconds, together."""
     return sum(process_cpu_seconds(pid) for pid in processes.values())
-
-
-def fresh_env(texts: Path) -> dict[str, str]:
-    """fresh.lua's settings: one text a request, prefixed so that no run repeats one."""
-    return {"TEXTS": str(texts), "TEXTS_PER": "1", "RUN": uuid.uuid4().hex[:8]}
 
 
 def profile(
@@ -457,7 +463,7 @@ def split_server(
 ) -> Iterator[tuple[str, int, int]]:
     """The split as the service runs it: the model side (`loraserve` with SPLIT_SOCKET,
     `model_env` added to its settings), then its front end (`loraserve front-end` on the same
-    socket), each a server as bench.throughput starts one; the front end's URL and the two
+    socket), each a server as bench.harness starts one; the front end's URL and the two
     processes' ids."""
     with tempfile.TemporaryDirectory() as folder:
         socket = {"SPLIT_SOCKET": str(Path(folder) / "model.sock")}
@@ -526,29 +532,25 @@ def run(
     predict: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
     cached: dict[tuple[str, str], list[LoadPoint]] = {key: [] for key in servers}
     profiled: dict[tuple[str, str], dict[str, Any]] = {}
-    for number in range(rounds):
-        # Each server is started afresh in every round: one server process kept its rates
-        # ~10 % above or below another's for its whole life.
-        for key in in_turn(servers, number):
-            name, layout = key
-            split, pins = layout in SPLITS, layout_env(layout)
-            with served(split, f"frontend-{name}", {**env, **pins}, {}, code[name]) as target:
-                url, processes = target.url, target.processes
-                wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))  # warm-ups
-                wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
-                wrk(url, CLIENTS, 1, LUA, cached_env)  # its first request fills the cache
-                health[key].append(
-                    load_point("/health", f"{url}/health", processes, seconds, HEALTH_LUA, {})
-                )
-                predict[key].append(
-                    load_point("/predict", url, processes, seconds, FRESH_LUA, fresh_env(texts))
-                )
-                cached[key].append(
-                    load_point(CACHED_ROUTE, url, processes, seconds, LUA, cached_env)
-                )
-                if number == rounds - 1:
-                    raw = scratch / f"profile-{name}-{layout.replace(' ', '-')}"
-                    profiled[key] = profile(url, processes, profile_seconds, texts, raw)
+    # Each server is started afresh in every round: one server process kept its rates ~10 %
+    # above or below another's for its whole life.
+    for number, key in in_turns(servers, rounds):
+        name, layout = key
+        split, pins = layout in SPLITS, layout_env(layout)
+        with served(split, f"frontend-{name}", {**env, **pins}, {}, code[name]) as target:
+            url, processes = target.url, target.processes
+            # The cached route's first request fills the cache.
+            warm_up(url, CLIENTS, [*warm_ups(texts), ("", LUA, cached_env)])
+            health[key].append(
+                load_point("/health", f"{url}/health", processes, seconds, HEALTH_LUA, {})
+            )
+            predict[key].append(
+                load_point("/predict", url, processes, seconds, FRESH_LUA, fresh_env(texts))
+            )
+            cached[key].append(load_point(CACHED_ROUTE, url, processes, seconds, LUA, cached_env))
+            if number == rounds - 1:
+                raw = scratch / f"profile-{name}-{layout.replace(' ', '-')}"
+                profiled[key] = profile(url, processes, profile_seconds, texts, raw)
 
     def of(key: tuple[str, str]) -> dict[str, Any]:
         return summary(health[key], predict[key], cached[key], profiled[key])
@@ -563,9 +565,7 @@ def run(
         return found
 
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {**machine(), "py_spy": version("py-spy")},
-        "load_average_at_start": load_at_start,
+        **run_head({**machine(), "py_spy": version("py-spy")}, load_at_start),
         "clients": CLIENTS,
         "seconds_per_run": seconds,
         "simulated": SIMULATED,
@@ -649,12 +649,11 @@ def report(result: dict[str, Any]) -> str:
     m = result["machine"]
     layouts = layouts_of_run(result)
     target = result["targets"]
+    written_by = "`make bench-frontend` (bench/frontend.py)."
     lines = [
         "# Front end: one text a request on a simulated device",
         "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; {m['client']}; py-spy {m['py_spy']}; load average at start "
-        f"{result['load_average_at_start']}. Written by `make bench-frontend` (bench/frontend.py).",
+        machine_line(result, written_by, tools=[m["client"], f"py-spy {m['py_spy']}"]),
         "",
         f"The real server with one simulated model ({result['simulated']['seconds_per_batch']} s "
         f"a batch + {result['simulated']['seconds_per_token']} s a token, never the limit), "
@@ -683,11 +682,87 @@ def report(result: dict[str, Any]) -> str:
             f"| **{found['ratio']}** | {found['ratios']} | {p['p99_ms']} "
             f"| {found['predict_cpu_us_median']} | {'yes' if met else 'no'} |"
         )
+    lines += reading(layouts, target["ratio"], m["cores"])
     for layout, found in layouts.items():
         lines += layout_section(LAYOUT_TITLES[layout], found)
     if "base" in result:
         lines += comparison(result)
     return "\n".join(lines) + "\n"
+
+
+# Why a layout stands where it does, after the figures that show it (the report's reading).
+WHY = {
+    SPLIT_PINNED: "Pinned, each event loop keeps a core of its own; unpinned, a batch's answers "
+    "wake the model side, the front end and wrk at once, and the loops then wait for a core "
+    "(`make bench-split-waits`).",
+    SPLIT_PINNED_SMALL_BATCHES: "With 64 clients, batches of 16 keep four in flight, most "
+    "likely so that each process's core more often has a batch's requests to work on.",
+}
+NAMED = {
+    SPLIT: "the split",
+    SPLIT_PINNED: "the pinned split",
+    SPLIT_PINNED_SMALL_BATCHES: "the pinned split with batches of 16",
+}
+# Each layout against the one it adds to.
+BEFORE = {SPLIT: ONE_PROCESS, SPLIT_PINNED: SPLIT, SPLIT_PINNED_SMALL_BATCHES: SPLIT_PINNED}
+
+
+def reading(layouts: dict[str, dict[str, Any]], target: float, cores: int) -> list[str]:
+    """What the run's figures say: each layout against the one before it, in the same
+    rounds, and what bounds one process."""
+    one = layouts[ONE_PROCESS]
+    h, p = one["median_round"]["health"], one["median_round"]["predict"]
+    lines = [
+        "",
+        "## What the figures say",
+        "",
+        "Each round starts every layout afresh, with an empty disk tier, in turns: one server "
+        "process kept its rate above or below another's for its whole life, and a disk tier "
+        "grown over earlier runs writes slower "
+        "([Measured in tests](measured_in_tests.md#the-benchmarks-method)). So only figures "
+        "of the same run compare, and each layout is set against another in the same rounds.",
+        "",
+        f"- **One process** is bound by its Python work, which the GIL runs one thread at a "
+        f"time: its threads used {p['server_cores']} cores for /predict ({h['server_cores']} "
+        f"for /health) and wrk {cores_of(p)}, of the machine's {cores}. A /health took "
+        f"{h['server_cpu_us_per_request']} µs of server CPU and a fresh /predict "
+        f"{p['server_cpu_us_per_request']}: to reach {target} of /health's rate on that core, "
+        f"a /predict would have to take {h['server_cpu_us_per_request'] / target:.0f} µs in "
+        "all.",
+    ]
+    for layout, found in layouts.items():
+        if layout not in BEFORE or BEFORE[layout] not in layouts:
+            continue
+        before = BEFORE[layout]
+        base = layouts[before]
+        above = sum(a > b for a, b in zip(found["ratios"], base["ratios"], strict=True))
+        why = f" {WHY[layout]}" if layout in WHY else ""
+        named = the(layout)
+        lines.append(
+            f"- **{named[0].upper()}{named[1:]}** served {more(found, base)} more /predict "
+            f"requests a second than {the(before)} (medians of the rounds), its ratio above "
+            f"{the(before)}'s in {above} of {len(found['ratios'])} rounds, at "
+            f"{found['predict_cpu_us_median']} µs of server CPU a /predict against "
+            f"{base['predict_cpu_us_median']}.{why}"
+        )
+    return lines
+
+
+def the(layout: str) -> str:
+    """A layout as a sentence names it: "one process", "the pinned split"."""
+    return NAMED.get(layout, layout)
+
+
+def cores_of(point: dict[str, Any]) -> float:
+    """wrk's cores over a run: its CPU a request times the requests a second."""
+    return round(point["client_cpu_us_per_request"] * point["requests_per_s"] / 1e6, 2)
+
+
+def more(found: dict[str, Any], base: dict[str, Any]) -> str:
+    """How much more /predict a layout served than `base`: a share, the medians of the
+    rounds' rates."""
+    rates = [rounded_median(p["requests_per_s"] for p in each["predict"]) for each in (found, base)]
+    return f"{rates[0] / rates[1] - 1:.0%}"
 
 
 def layouts_of_run(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -842,20 +917,17 @@ def rounded_median(values: Iterable[float], digits: int = 1) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, one round")
+    add_out(parser, quick_help="smoke run: 2 s runs, one round")
     parser.add_argument("--seconds", type=float, help="seconds a run (default 10)")
     parser.add_argument("--rounds", type=int, help="/health + /predict rounds (default 3)")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
     parser.add_argument("--base", help="a revision to measure beside this checkout, in turns")
     args = parser.parse_args()
     quick = args.quick
     seconds = args.seconds or (2.0 if quick else 10.0)
     rounds = args.rounds or (1 if quick else 3)
-    out = args.out or (REPO / "bench" / "out" / "frontend-quick" if quick else REPORTS)
+    out = out_folder(args.out, quick, "frontend")
     result = run(seconds, rounds, seconds, out, args.base)
-    (out / "frontend.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    (out / "frontend.md").write_text(report(result), encoding="utf-8")
-    print(report(result))
+    write_report(out, "frontend", result, report(result))
 
 
 if __name__ == "__main__":

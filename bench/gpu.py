@@ -52,8 +52,8 @@ import yaml
 from api.settings import load_settings
 from bench import gpu_forward, gpu_load, gpu_report
 from bench.gpu_models import LABELS, TINY, USERS, BuiltModels, Shapes, build_all, texts
+from bench.harness import write_report
 from bench.load_worker import read_bytes
-from bench.report_files import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "bench" / "reports"

@@ -16,7 +16,7 @@ import torch
 
 from bench import gpu
 from bench.gpu_models import Shapes, build_koelectra
-from bench.report_files import write_report
+from bench.harness import write_report
 
 PlanT = TypeVar("PlanT")
 

@@ -21,7 +21,7 @@ from api.models.loader import load_model
 from api.models.predictor import Predictor
 from api.models.spec import ModelSpec, load_models_file
 from api.settings import Settings
-from bench.timing import median_ms
+from bench.harness import median_ms
 
 
 def forward_times(

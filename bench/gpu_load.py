@@ -21,10 +21,9 @@ from typing import Any, cast
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness import REPO, free_port, stop, wait_ready
 from bench.load_clients import CLIENTS_PER_PROCESS, Job, Result
-from bench.throughput import free_port, stop
 
-REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 900.0  # a first start converts and quantizes 2.4 B parameters
 # Time for the client processes to start (Python and httpx imported) before the warm-up.
 SPAWN_S = 2.0
@@ -55,7 +54,7 @@ def server(env: dict[str, str], log: Path) -> Iterator[Started]:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            listening = wait_ready(url, process, log)
+            listening = wait_ready(url, process, log, READY_TIMEOUT_S)
             ready_s = time.perf_counter() - started
             models = httpx.get(f"{url}/models", timeout=30).json()["models"]
             yield Started(
@@ -87,24 +86,6 @@ def replicas(count: int, env: dict[str, str], work: Path) -> Iterator[list[Start
         if failure is not None:
             raise failure
         yield started
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> float:
-    """Polls /ready until it answers 200; when (`time.perf_counter`) it first answered at all."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    listening: float | None = None
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}"
-            )
-        with suppress(httpx.TransportError):
-            status = httpx.get(f"{url}/ready", timeout=2).status_code
-            listening = listening or time.perf_counter()
-            if status == 200:
-                return listening
-        time.sleep(0.1)
-    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:.0f} s; see {log}")
 
 
 def metric_sums(url: str, names: set[str], **labels: str) -> dict[str, float]:

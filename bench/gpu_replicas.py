@@ -158,7 +158,38 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {'—' if used is None else f'{used:.2f}'} | {ready} |"
         )
     lines += ["", *comparison(rows), ""]
+    if not meta["smoke"]:
+        lines += reading(rows)
     return "\n".join(lines)
+
+
+def reading(rows: list[dict[str, Any]]) -> list[str]:
+    """What each replica count shows at the most clients: its batches, its p99, and what a
+    replica holds of the card."""
+    most = max(row["clients"] for row in rows)
+    at_most = [row for row in rows if row["clients"] == most]
+    batches = ", ".join(
+        f"{row['mean_batch_texts']:.1f} texts ({row['replicas']})" for row in at_most
+    )
+    p99s = ", ".join(f"{row['p99_ms']:.0f} ms ({row['replicas']})" for row in at_most)
+    each = sorted(
+        {
+            f"{row['driver_used_gb'] / row['replicas']:.2f}"
+            for row in at_most
+            if row["driver_used_gb"]
+        }
+    )
+    held = f"~{'–'.join(each)} GB of the card" if each else "its share of the card"
+    return [
+        "## What the figures say",
+        "",
+        f"At {most} clients the batches held {batches} and the p99 was {p99s}, by replica "
+        f"count; each replica holds {held} (its CUDA context, weights and allocator cache). "
+        "One process's forward takes turns at the GIL "
+        "with its event loop; replicas each have a GIL of their own, and their smaller batches "
+        "share the GPU by time slices, so the gain falls off as replicas are added.",
+        "",
+    ]
 
 
 def comparison(rows: list[dict[str, Any]]) -> list[str]:

@@ -58,11 +58,55 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         *cascade_lines(report),
         "",
+        *reading(report),
         "## Notes",
         "",
         *notes(meta),
     ]
     return "\n".join(lines) + "\n"
+
+
+def reading(report: dict[str, Any]) -> list[str]:
+    """What the figures say of each forward and of the server that feeds it; nothing for a
+    smoke run, whose figures are not a GPU's."""
+    if report["meta"]["smoke"]:
+        return []
+    largest = max((row["tokens"], row["texts"]) for row in report["forward"])
+    calls = {
+        model: [row["model_ms"] for row in report["forward"] if row["model"] == model]
+        for model in (KOELECTRA, EXAONE)
+    }
+    big = next(
+        row["model_ms"]
+        for row in report["forward"]
+        if (row["model"], row["tokens"], row["texts"]) == (EXAONE, *largest)
+    )
+    smaller = [ms for ms in calls[EXAONE] if ms != big]
+    most = max(p["clients"] for p in report["throughput"])
+    served = next(
+        p["texts_per_s"]
+        for p in report["throughput"]
+        if (p["model"], p["clients"]) == (KOELECTRA, most)
+    )
+    tokens, texts = largest
+    few = report["meta"]["plan"]["lengths"][0]  # the load points' text length
+    batch = latency_of(report, KOELECTRA, few, texts)["forward_ms"]
+    device = 1000 * texts / batch
+    return [
+        "## What the figures say",
+        "",
+        f"- **Both forwards are bound by launching kernels from Python, not by the GPU.** The "
+        f"model's own call took {min(calls[KOELECTRA]):.1f}–{max(calls[KOELECTRA]):.1f} ms "
+        f"for KoELECTRA at every shape, and {min(smaller):.0f}–{max(smaller):.0f} ms for "
+        f"EXAONE at every shape but {texts} × {tokens} tokens, where the arithmetic takes "
+        f"over ({big:.1f} ms).",
+        f"- **One text a request, the server feeds KoELECTRA at {served / device:.0%} of what "
+        f"the device does**: {served:,.0f} texts/s at {most} clients, where a served forward of "
+        f"{texts} texts of {few} tokens takes {batch:.1f} ms ({device:,.0f} texts/s in "
+        "such batches). Each forward takes turns at the GIL with the event loop; replicas, "
+        "each with a GIL of its own, feed it more ([Replicas on one GPU](gpu-replicas.md)).",
+        "",
+    ]
 
 
 def header(meta: dict[str, Any]) -> list[str]:

@@ -22,19 +22,27 @@ import statistics
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from bench.gpu_load import replicas
-from bench.report_files import write_report
-from bench.throughput import machine, run_wrk, sample_texts, wait_for_quiet, write_bodies
+from bench.harness import (
+    OUT,
+    REPO,
+    REPORTS,
+    machine,
+    machine_line,
+    run_head,
+    run_wrk,
+    sample_texts,
+    wait_for_quiet,
+    write_bodies,
+    write_report,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-REPORTS = REPO / "bench" / "reports"
-WORK = REPO / "bench" / "out" / "replica-threads"
+WORK = OUT / "replica-threads"
 MODEL = "spam-minilm"
 CLIENTS = 32
 
@@ -90,9 +98,7 @@ def run(seconds: float, rounds: int, warmup: float) -> dict[str, Any]:
             }
         )
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "load_average_at_start": load_average,
+        **run_head(machine(), load_average),
         "cores": cores,
         "clients": CLIENTS,
         "seconds": seconds,
@@ -118,14 +124,11 @@ def together(urls: list[str], seconds: float, bodies: Path) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    machine_line = report["machine"]
     one = report["rows"][0]["texts_per_s"]
     lines = [
         "# Replicas on one CPU host: torch's threads per replica",
         "",
-        f"{report['date']}; {machine_line['cpu']}, {report['cores']} cores; "
-        f"load average at start {report['load_average_at_start']}. Written by "
-        "`python -m bench.replica_threads`.",
+        machine_line(report, "`python -m bench.replica_threads`."),
         "",
         f"The embedded encoder ({MODEL}), caches and admission off, served by one replica, then "
         f"by two started together on this host, each with torch's default threads and with "

@@ -29,19 +29,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.threads import PY_SPY, per_thread_us, thread_cpu_seconds, thread_names
-from bench.throughput import (
-    CACHE_OFF,
+from bench.harness import (
     REPO,
     REPORTS,
-    TARGET_CLIENTS,
     WORK,
-    Config,
-    RawModel,
     RunningServer,
     in_turn,
-    measure,
-    raw_model,
+    machine_bullet,
     run_meta,
     run_wrk,
     sample_texts,
@@ -50,7 +44,10 @@ from bench.throughput import (
     stop_on_sigterm,
     wait_for_quiet,
     write_bodies,
+    write_report,
 )
+from bench.threads import PY_SPY, per_thread_us, thread_cpu_seconds, thread_names
+from bench.throughput import CACHE_OFF, TARGET_CLIENTS, Config, RawModel, measure, raw_model
 
 ROUNDS = 5
 CHECKOUTS = REPO / "bench" / "out" / "revisions"
@@ -176,9 +173,8 @@ def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> 
         "",
         f"Written by `{meta['command']}` on {meta['date']}: base {base}, head {head}.",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Python "
-        f"{m['python']}, torch {m['torch']}; {meta['config']['threads']} torch threads "
-        f"everywhere; load average at the start {meta['load_average']['at_start']:.2f}.",
+        f"{machine_bullet(m, meta['config']['threads'])} everywhere; load average at the start "
+        f"{meta['load_average']['at_start']:.2f}.",
         f"- Client: {m['client']}, 1 thread, {TARGET_CLIENTS} connections, each request one "
         f"text cycling through {meta['config']['texts']} distinct SMS texts; "
         f"{meta['config']['duration']:g} s per measurement after a "
@@ -274,10 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_model": described,
         "rounds": [{**asdict(r), "head_vs_base": r.head_vs_base} for r in found],
     }
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "revisions.md").write_text(text, encoding="utf-8")
-    (config.out / "revisions.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    print(text)
+    write_report(config.out, "revisions", data, text)
     print(f"written to {shown(config.out)}/ in {meta['run_seconds']} s")
     return 0
 

@@ -21,7 +21,6 @@ haproxy (`make test` installs them). Writes bench/reports/scale_out.{md,json}. O
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import statistics
@@ -29,19 +28,25 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.throughput import load_average, wait_for_quiet
+from bench.harness import (
+    REPORTS,
+    host,
+    load_average,
+    machine_words,
+    now,
+    wait_for_quiet,
+    write_report,
+)
 from tests.support.haproxy_process import load_balancer
 from tests.support.load_client import metric, rss_kib, run_load, sms_texts
 from tests.support.redis_server import RedisServer
-from tests.support.server_process import REPO_ROOT, ServerProcess, run_server
+from tests.support.server_process import ServerProcess, run_server
 
-REPORTS = REPO_ROOT / "bench" / "reports"
 TEXTS = 200
 SECONDS = 8.0
 CLIENTS = (1, 4, 16, 64)
@@ -180,9 +185,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Scale-out: replica cost, cross-replica hit, queue wait under load",
         "",
-        f"Written by `python -m bench.scale_out` on {meta['date']}; 2-core CPU, load average "
-        f"{meta['load']['at_start']} at the start, {meta['load_end']} at the end. The embedded "
-        "default (spam-minilm and spam-smollm2), default settings, REDIS_URL and "
+        f"Written by `python -m bench.scale_out` on {meta['date']}; {machine_of(meta)}, load "
+        f"average {meta['load']['at_start']} at the start, {meta['load_end']} at the end. The "
+        "embedded default (spam-minilm and spam-smollm2), default settings, REDIS_URL and "
         f"REDIS_CACHE_SECRET set, TORCH_NUM_THREADS={report['torch_num_threads']} in each "
         "replica (the two share this host's cores, as compose's replicas do).",
         "",
@@ -234,6 +239,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_of(meta: dict[str, Any]) -> str:
+    """The machine as the report names it; a run that did not record its machine (the first
+    ones) was on a 2-core CPU."""
+    return machine_words(meta["machine"]) if "machine" in meta else "2-core CPU"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPORTS, help="report folder")
@@ -245,15 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="scale-out-") as folder:
         report = run(Path(folder))
     report["meta"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": now(),
+        "machine": host(),
         "load": load,
         "load_end": load_average(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale_out.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    (args.out / "scale_out.md").write_text(text, encoding="utf-8")
-    print(text)
+    write_report(args.out, "scale_out", report, markdown(report), indent=1)
     return 0
 
 

@@ -31,10 +31,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.throughput import (
-    CACHE_OFF,
+from bench.harness import (
+    OUT,
     REPO,
-    REPORTS,
+    add_out,
+    out_folder,
+    per_second,
     run_meta,
     run_wrk,
     sample_texts,
@@ -43,12 +45,14 @@ from bench.throughput import (
     stop_on_sigterm,
     wait_for_quiet,
     write_bodies,
+    write_report,
 )
-from bench.throughput import (
+from bench.harness import (
     WORK as SERVER_WORK,
 )
+from bench.throughput import CACHE_OFF
 
-WORK = REPO / "bench" / "out" / "score"  # git-ignored: the texts and the scored output
+WORK = OUT / "score"  # git-ignored: the texts and the scored output
 CLIENTS = 32
 TARGET_VS_SERVED = 1.0
 PROGRESS = re.compile(r"^score: (\d+)/(\d+) texts\s+([0-9.]+) texts/s", re.MULTILINE)
@@ -99,7 +103,7 @@ def served(url: str, config: Config, bodies: Path) -> float:
     bad = {k: v for k, v in summary["statuses"].items() if str(k) != "200"}
     if bad:
         raise RuntimeError(f"served: answers other than 200: {bad}")
-    return float(summary["requests"]) / (summary["duration_us"] / 1e6)
+    return per_second(summary)
 
 
 def score(config: Config, texts: Path, env: dict[str, str]) -> tuple[float, float]:
@@ -174,8 +178,7 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument(
         "--load-wait", type=float, help="most seconds to wait for a quiet machine (default 900)"
     )
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 300 texts, 1 round")
+    add_out(parser, quick_help="smoke run: 300 texts, 1 round")
     args = parser.parse_args(argv)
     quick = args.quick
     return Config(
@@ -186,14 +189,14 @@ def parse_args(argv: list[str] | None) -> Config:
         threads=args.threads,
         batch_size=args.batch_size,
         load_wait=args.load_wait if args.load_wait is not None else (0.0 if quick else 900.0),
-        out=args.out or (REPO / "bench" / "out" / "score-quick" if quick else REPORTS),
+        out=out_folder(args.out, quick, "score"),
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     stop_on_sigterm()
-    for folder in (WORK, SERVER_WORK):  # the server's log goes where bench.throughput keeps it
+    for folder in (WORK, SERVER_WORK):  # the server's log goes where bench.harness keeps it
         folder.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     load = wait_for_quiet(config.load_wait)
@@ -227,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "score_vs_served": round(ratio, 3),
         "target": TARGET_VS_SERVED,
     }
-    config.out.mkdir(parents=True, exist_ok=True)
-    (config.out / "score.md").write_text(markdown(rounds, meta, ratio), encoding="utf-8")
-    (config.out / "score.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_report(config.out, "score", data, markdown(rounds, meta, ratio))
     print(f"score/served {ratio:.2f}; report in {shown(config.out)}/score.md")
     return 0
 

@@ -28,7 +28,7 @@ from api.models.predictor import NonFiniteScores, Predictor, Scores
 from api.models.spec import load_models_file
 from api.observability.logs import quiet_libraries
 from api.settings import Settings
-from bench.timing import median_ms
+from bench.harness import median_ms
 from scripts.spam_data import load_splits
 
 REPORTS = Path(__file__).resolve().parent / "reports"

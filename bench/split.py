@@ -49,7 +49,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +60,20 @@ from api.serving.cache import ResultCache
 from api.serving.classify import ModelRunner
 from api.settings import load_settings
 from bench.frontend import write_models_file
-from bench.report_files import write_report
+from bench.harness import (
+    REPO,
+    add_out,
+    host,
+    machine_line,
+    out_folder,
+    process_cpu_seconds,
+    quiet_start,
+    run_head,
+    sample_texts,
+    write_report,
+)
 from bench.threads import thread_waits
-from bench.throughput import REPORTS, host, process_cpu_seconds, sample_texts, wait_for_quiet
 
-REPO = Path(__file__).resolve().parents[1]
 CLIENT_COUNTS = (1, 4, 16, 64)
 MODEL_SIDE_CLIENTS = 64
 REFUSED_PAUSE_SECONDS = 0.01  # a refused client's wait before it asks again, as after a 429
@@ -325,13 +333,10 @@ async def model_side(
 
 
 def report(result: dict[str, Any]) -> str:
-    m = result["machine"]
     lines = [
         "# Splitting HTTP from the model: the hop and the model side, measured apart",
         "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; load average at start {result['load_average_at_start']}. Written by "
-        "`make bench-split` (bench/split.py).",
+        machine_line(result, "`make bench-split` (bench/split.py)."),
         "",
         "## The hop: what it costs the front end a request",
         "",
@@ -386,16 +391,15 @@ def report(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "What the two budgets say about a split of the service is in [Benchmarks]"
-        "(../../benchmarks.md#front-end-one-text-requests).",
+        "The split as the service runs it, measured whole: "
+        "[A split served end to end](split_served.md).",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run of a few seconds")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
+    add_out(parser, quick_help="smoke run of a few seconds")
     parser.add_argument("--answer", metavar="SOCKET", help=argparse.SUPPRESS)  # the other side
     args = parser.parse_args()
     if args.answer:
@@ -403,8 +407,8 @@ def main() -> None:
         return
     quick = args.quick
     requests, model_requests, repeats = (2_000, 500, 1) if quick else (100_000, 30_000, 5)
-    out = args.out or (REPO / "bench" / "out" / "split-quick" if quick else REPORTS)
-    load_at_start = 0.0 if quick else wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]
+    out = out_folder(args.out, quick, "split")
+    load_at_start = quiet_start(quick, LOAD_WAIT_SECONDS)
     texts = sample_texts(2000)
     hop = measure_hop([f"{i}.1 {text}" for i, text in enumerate(texts)], requests, repeats)
     model_runs = {
@@ -412,9 +416,7 @@ def main() -> None:
         for name, disk_tier in (("on", True), ("off", False))
     }
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": host(),
-        "load_average_at_start": load_at_start,
+        **run_head(host(), load_at_start),
         "requests": requests,
         "repeats": repeats,
         "hop": hop,

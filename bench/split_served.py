@@ -30,36 +30,34 @@ import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from bench.frontend import (
-    CLIENTS,
-    HEALTH_LUA,
-    TARGET_RATIO,
-    fresh_env,
-    served,
-    write_models_file,
-)
-from bench.report_files import write_report
-from bench.throughput import (
+from bench.frontend import CLIENTS, TARGET_RATIO, served, warm_ups, write_models_file
+from bench.harness import (
     FRESH_LUA,
-    REPORTS,
+    HEALTH_LUA,
     WORK,
+    add_out,
+    fresh_env,
     host,
-    in_turn,
+    in_turns,
+    machine_line,
+    out_folder,
+    per_second,
     process_cpu_seconds,
+    quiet_start,
+    run_head,
     sample_texts,
-    wait_for_quiet,
+    warm_up,
     write_literals,
+    write_report,
     wrk,
 )
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-REPO = Path(__file__).resolve().parents[1]
 LOAD_WAIT_SECONDS = 900
 DISK_TIER_OFF = {"DISK_CACHE_MAX_BYTES": "0"}
 EVERY_TEXT = {"DISK_CACHE_ADMISSION": "every"}
@@ -164,7 +162,7 @@ def report(result: dict[str, Any]) -> str:
     )
     lines.append("")
     for layout, m in result["medians"].items():
-        split = LAYOUTS[layout][0]
+        split = layout.startswith("split")
         model_side = f" and {m['model_side_cpu_us']} on the model side" if split else ""
         lines.append(
             f"- **{layout}**, medians: /predict at **{m['ratio']}** of /health's rate "
@@ -173,7 +171,48 @@ def report(result: dict[str, Any]) -> str:
             f"{'front end' if split else 'process'}{model_side}, {m['disk_write_kib']} KiB "
             "written to storage."
         )
-    return "\n".join(lines + SEE_BENCHMARKS) + "\n"
+    return "\n".join(lines + reading(result) + SEE_SCALING) + "\n"
+
+
+# Each layout of one process, the split's with the same settings, and what they share.
+PAIRS = {
+    "one process": ("split", "the same caches"),
+    "one process, disk tier off": ("split, disk tier off", "the disk tier off"),
+}
+
+
+def reading(result: dict[str, Any]) -> list[str]:
+    """What the run's figures say: the split against one process with the same settings, in
+    the same rounds; what the disk tier costs the model side; what each layout wrote."""
+    medians, rounds = result["medians"], result["rounds"]
+    lines = ["", "## What the figures say", ""]
+    for one, (split, shared) in PAIRS.items():
+        if one in medians and split in medians:
+            above = sum(
+                s["ratio"] > o["ratio"] for s, o in zip(rounds[split], rounds[one], strict=True)
+            )
+            more = medians[split]["predict_rps"] / medians[one]["predict_rps"] - 1
+            lines.append(
+                f"- With {shared}, the split served {more:.0%} more fresh one-text requests a "
+                f"second than one process (medians), its ratio above one process's in {above} "
+                f"of {len(rounds[split])} rounds."
+            )
+    if "split" in medians and "split, disk tier off" in medians:
+        on, off = medians["split"], medians["split, disk tier off"]
+        lines.append(
+            f"- The model side's CPU a request is what the disk tier costs it: "
+            f"{on['model_side_cpu_us']} µs with the tier against {off['model_side_cpu_us']} "
+            "without. Each fresh text is looked up on disk before the model answers it, which "
+            "no admission rule can skip: the tier holds what earlier processes wrote."
+        )
+    written = "; ".join(f"{layout} {m['disk_write_kib']}" for layout, m in medians.items())
+    lines.append(
+        f"- Storage written a fresh text, in KiB, by the process that serves the model: "
+        f"{written}. A tier that writes every fresh answer dirties a page of sqlite's key "
+        "index for each new random key, written to its write-ahead log and again at each "
+        "checkpoint."
+    )
+    return lines
 
 
 def main() -> None:
@@ -185,10 +224,10 @@ def main() -> None:
 # A round's figure in a report: its column's header, and how a round (its JSON) gives it.
 Column = tuple[str, Callable[[dict[str, Any]], object]]
 
-SEE_BENCHMARKS = [
+SEE_SCALING = [
     "",
-    "What this says about the split is in [Benchmarks]"
-    "(../../benchmarks.md#front-end-one-text-requests).",
+    "How the split runs, and when it pays: [Scaling out]"
+    "(../../scaling.md#http-apart-from-the-models-the-split).",
 ]
 
 
@@ -198,14 +237,11 @@ def layouts_report_head(
     """The opening of a report of `run_layouts`' figures: its title; the date, machine and
     load; what wrote it (`written_by`) and what it ran (`runs`); then a row a layout a round:
     its /health and /predict rates and their ratio, `columns`, its statuses."""
-    m = result["machine"]
     headers = " | ".join(header for header, _ in columns)
     lines = [
         f"# {title}",
         "",
-        f"{result['date']}; {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB; Python "
-        f"{m['python']}; load average at start {result['load_average_at_start']}. Written by "
-        f"{written_by}",
+        machine_line(result, written_by),
         "",
         runs,
         "",
@@ -241,21 +277,16 @@ def run_layouts(
     scratch.mkdir(parents=True, exist_ok=True)
     texts = write_literals(sample_texts(2000), scratch / "texts.txt")
     env = {"MODELS_FILE": str(write_models_file(scratch))}
-    load_at_start = 0.0 if quick else wait_for_quiet(LOAD_WAIT_SECONDS)["at_start"]
+    load_at_start = quiet_start(quick, LOAD_WAIT_SECONDS)
     found: dict[str, list[Measured]] = {layout: [] for layout in layouts}
-    names = list(layouts)
-    for number in range(rounds):
-        # A rotating order, so that a drift of the machine hits every layout alike.
-        for layout in in_turn(names, number):
-            split, model_env = layouts[layout]
-            with served(split, name, env, model_env) as target:
-                pids = tuple(target.processes.values())
-                found[layout].append(measure(target.url, pids, seconds, texts))
-            print(layout, json.dumps(asdict(found[layout][-1])), flush=True)
+    for _, layout in in_turns(list(layouts), rounds):
+        split, model_env = layouts[layout]
+        with served(split, name, env, model_env) as target:
+            pids = tuple(target.processes.values())
+            found[layout].append(measure(target.url, pids, seconds, texts))
+        print(layout, json.dumps(asdict(found[layout][-1])), flush=True)
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": host(),
-        "load_average_at_start": load_at_start,
+        **run_head(host(), load_at_start),
         "clients": CLIENTS,
         "seconds_per_run": seconds,
         "rounds": {layout: [asdict(r) for r in runs] for layout, runs in found.items()},
@@ -266,14 +297,8 @@ def run_layouts(
 def warmed_health_rate(url: str, seconds: float, texts: Path) -> float:
     """Warm-ups (a second of fresh /predict, then one of /health), then /health's requests a
     second over a run of `seconds`."""
-    wrk(url, CLIENTS, 1, FRESH_LUA, fresh_env(texts))
-    wrk(f"{url}/health", CLIENTS, 1, HEALTH_LUA, {})
+    warm_up(url, CLIENTS, warm_ups(texts))
     return per_second(wrk(f"{url}/health", CLIENTS, seconds, HEALTH_LUA, {}))
-
-
-def per_second(summary: dict[str, Any]) -> float:
-    """A wrk run's requests a second."""
-    return float(summary["requests"] / (summary["duration_us"] / 1e6))
 
 
 def main_of(
@@ -287,16 +312,14 @@ def main_of(
     `--rounds` (5), `--seconds` (`seconds` a run), `--out` (bench/reports); then its report,
     `<name>.md` and `.json`."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help="smoke run: one round of 2 s")
+    add_out(parser, quick_help="smoke run: one round of 2 s")
     parser.add_argument("--rounds", type=int, help="rounds (default 5)")
     parser.add_argument("--seconds", type=float, help=f"seconds a run (default {seconds:g})")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
     args = parser.parse_args()
     quick = args.quick
     rounds = args.rounds or (1 if quick else 5)
     seconds = args.seconds or (2.0 if quick else seconds)
-    quick_out = REPO / "bench" / "out" / f"{name.replace('_', '-')}-quick"
-    out = args.out or (quick_out if quick else REPORTS)
+    out = out_folder(args.out, quick, name.replace("_", "-"))
     result = run(seconds, rounds, quick)
     write_report(out, name, result, report(result))
 

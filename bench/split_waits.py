@@ -28,19 +28,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.frontend import CLIENTS, fresh_env
+from bench.frontend import CLIENTS
+from bench.harness import (
+    FRESH_LUA,
+    busy_cpu_seconds,
+    fresh_env,
+    per_second,
+    process_cpu_seconds,
+    wrk,
+)
 from bench.split_served import (
-    SEE_BENCHMARKS,
+    SEE_SCALING,
     Layouts,
     layouts_report_head,
     main_of,
-    per_second,
     run_layouts,
     warmed_health_rate,
 )
-from bench.throughput import FRESH_LUA, busy_cpu_seconds, process_cpu_seconds, wrk
 
 CORES = os.cpu_count() or 1  # /proc/stat's first line counts every online core
+BOUND_LOOP_CORES = 0.9  # a loop that runs this much of a core is what bounds its process
 
 LAYOUTS: Layouts = {
     "one process": (False, {}),
@@ -168,7 +175,36 @@ def report(result: dict[str, Any]) -> str:
             f"| {per_process(md['loop_cores'])} | {per_process(md['loop_waiting'])} "
             f"| {per_process(md['other_threads_cores'])} |"
         )
-    return "\n".join(lines + SEE_BENCHMARKS) + "\n"
+    return "\n".join(lines + reading(result["medians"]) + SEE_SCALING) + "\n"
+
+
+def reading(medians: dict[str, dict[str, Any]]) -> list[str]:
+    """What the medians say of each layout: whether its loop is the limit, how much of the
+    machine idles, how long its loops waited for a core."""
+    lines = ["", "## What the figures say", ""]
+    for layout, md in medians.items():
+        idle = f"{md['machine_idle']:.0%} of the machine idled"
+        if len(md["loop_cores"]) == 1:
+            bound = ": its loop is the limit" if md["loop_cores"][0] >= BOUND_LOOP_CORES else ""
+            lines.append(
+                f"- **{layout}**: its event loop ran {md['loop_cores'][0]} of a core and waited "
+                f"for one {md['loop_waiting'][0]:.0%} of the time, while {idle}{bound}."
+            )
+            continue
+        front, model = md["loop_cores"]
+        front_waits, model_waits = (f"{w:.0%}" for w in md["loop_waiting"])
+        lines.append(
+            f"- **{layout}**: the front end's loop ran {front} of a core and the model side's "
+            f"{model}, {idle}, and yet the loops waited for a core {front_waits} and "
+            f"{model_waits} of the time."
+        )
+    lines += [
+        "",
+        "Where loops wait for a core while cores idle, the work comes in bursts: most likely a "
+        "batch's answers wake the model side, the front end and wrk at once, which then wait "
+        "together for the next batch.",
+    ]
+    return lines
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.throughput import CLOCK_TICKS
+from bench.harness import CLOCK_TICKS
 
 # The bench extra installs py-spy beside this Python, which need not be on PATH.
 PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))

@@ -38,31 +38,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from importlib.metadata import version
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
-REPORTS = REPO / "bench" / "reports"
-LUA = REPO / "bench" / "wrk" / "predict.lua"
-FRESH_LUA = REPO / "bench" / "wrk" / "fresh.lua"
-DATA = REPO / "data" / "sms_spam_collection.tsv"
-WORK = REPO / "bench" / "out" / "throughput"  # git-ignored: bodies, server logs, disk cache
+from bench.harness import (
+    BUSY_LOAD,
+    FRESH_LUA,
+    REPO,
+    WORK,
+    RunningServer,
+    add_out,
+    busy_cpu_seconds,
+    children_cpu_seconds,
+    in_turn,
+    machine_bullet,
+    out_folder,
+    process_cpu_seconds,
+    run_meta,
+    run_wrk,
+    sample_texts,
+    server,
+    shown,
+    stop,
+    stop_on_sigterm,
+    wait_for_quiet,
+    write_bodies,
+    write_literals,
+    write_report,
+    wrk,
+)
 
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
 NAIVE = {"MAX_BATCH_SIZE": "1"}
@@ -88,12 +103,9 @@ OVERLOAD_ROUNDS = 3
 RAW_ROUNDS = 3
 TARGET_OVERLOAD_SHARE = 0.9
 LONG_TEXT_CHARS = 600  # SMS texts joined up to this: past the embedded model's 128 tokens
-BUSY_LOAD = 1.0  # a 1-min load average above this means someone else is using the cores
 # Cores taken by other processes during a point above which it is measured again (once): the
 # machine is shared, and a test run or a training job starting mid-run skews one point.
 OTHER_CORES_MAX = 0.25
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -109,13 +121,6 @@ class Config:
     load_wait: float
     out: Path
     variant_env: dict[str, str] = field(default_factory=dict)  # empty: no variant system
-
-
-@dataclass(frozen=True)
-class RunningServer:
-    url: str
-    pid: int
-    log: Path
 
 
 @dataclass
@@ -185,88 +190,7 @@ class LoadRun:
     ok_over_target: int  # 200s slower than TARGET_P99_MS at the server
 
 
-# --- the machine -------------------------------------------------------------------------
-
-
-def load_average() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
-def wait_for_quiet(limit_s: float, poll_s: float = 30.0) -> dict[str, float]:
-    """Waits (up to `limit_s`) until the 1-min load average is at most BUSY_LOAD.
-
-    The bench itself is what should load the two cores; another process (a training run)
-    would make every number lower and noisier. Returns what it saw, for the report.
-    """
-    first = load_average()
-    start = time.monotonic()
-    now = first
-    while now > BUSY_LOAD and time.monotonic() - start < limit_s:
-        print(f"load average {now:.2f} > {BUSY_LOAD}: waiting {poll_s:.0f} s", flush=True)
-        time.sleep(poll_s)
-        now = load_average()
-    return {"first": first, "at_start": now, "waited_s": round(time.monotonic() - start)}
-
-
-def machine() -> dict[str, Any]:
-    """The host, and the load client (wrk) the benchmark drives it with."""
-    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
-    client = wrk_version.splitlines()[0].split(" Copyright")[0] if wrk_version else "wrk"
-    return {**host(), "client": client}
-
-
-def host() -> dict[str, Any]:
-    """CPU, cores, memory, torch and Python of this machine."""
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    kib = next(
-        int(line.split()[1])
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal:")
-    )
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "ram_gib": round(kib / 2**20, 1),
-        "torch": version("torch"),
-        "python": sys.version.split()[0],
-    }
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds every core has spent not idle since boot (/proc/stat)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process, its threads included."""
-    # The command name (field 2) may hold spaces; the fields after it start past ")".
-    after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
-
-
-def children_cpu_seconds() -> float:
-    """CPU seconds of every finished child process (the wrk runs)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-# --- texts and servers ---------------------------------------------------------------------
-
-
-def sample_texts(count: int) -> list[str]:
-    """The first `count` distinct texts of the collection, the same for every system."""
-    seen: dict[str, None] = {}
-    for line in DATA.read_text(encoding="utf-8").splitlines():
-        seen.setdefault(line.split("\t", 1)[1], None)
-        if len(seen) == count:
-            break
-    return list(seen)
+# --- texts and what a server says ---------------------------------------------------------
 
 
 def joined_texts(texts: list[str], chars: int) -> list[str]:
@@ -279,94 +203,6 @@ def joined_texts(texts: list[str], chars: int) -> list[str]:
             joined.append(current)
             current = ""
     return joined
-
-
-def write_literals(texts: list[str], path: Path) -> Path:
-    """One JSON string literal a line, for fresh.lua."""
-    path.write_text("".join(json.dumps(text) + "\n" for text in texts), encoding="utf-8")
-    return path
-
-
-def write_bodies(texts: list[str], path: Path, **fields: str) -> Path:
-    """One request body a line (`inputs` plus `fields`), for wrk's Lua script and the raw
-    model alike."""
-    lines = (json.dumps({"inputs": text, **fields}) + "\n" for text in texts)
-    path.write_text("".join(lines), encoding="utf-8")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def empty_disk_cache(name: str) -> Path:
-    """The disk tier's folder of the server `name`, emptied. Each server's disk tier starts
-    empty: in a folder grown over earlier runs to a million entries a write costs ~40 µs of
-    CPU against ~23 µs in a new one, so runs on one machine would not compare."""
-    disk_cache = WORK / "caches" / name  # never the repository's own .cache
-    shutil.rmtree(disk_cache, ignore_errors=True)
-    WORK.mkdir(parents=True, exist_ok=True)  # for the logs: a fresh checkout has no bench/out
-    return disk_cache
-
-
-@contextmanager
-def server(
-    name: str,
-    env: dict[str, str],
-    threads: int,
-    code: Path = REPO,
-    module: Sequence[str] = ("api.cli",),
-) -> Iterator[RunningServer]:
-    """The real server process on a free loopback port, stopped when the block ends; `code`:
-    the checkout whose `api` it runs (`python -m` imports from its working folder); `module`:
-    what `python -m` runs, with its arguments."""
-    port = free_port()
-    full = {
-        **os.environ,
-        "DISK_CACHE_DIR": str(empty_disk_cache(name)),
-        "LOG_LEVEL": "warning",
-        **env,
-        "HOST": "127.0.0.1",
-        "PORT": str(port),
-        "TORCH_NUM_THREADS": str(threads),
-    }
-    log = WORK / f"server-{name}.log"
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", *module], cwd=code, env=full, stdout=sink, stderr=sink
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, process, log)
-            yield RunningServer(url, process.pid, log)
-        finally:
-            stop(process)
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; see {log}")
-        with suppress(httpx.TransportError):
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise RuntimeError(f"server not ready after 180 s; see {log}")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (the server drains, then exits), SIGKILL if it takes too long."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -411,27 +247,6 @@ def ok_latency_buckets(url: str) -> dict[float, float]:
 
 
 # --- load ----------------------------------------------------------------------------------
-
-
-def run_wrk(url: str, clients: int, seconds: float, bodies: Path) -> dict[str, Any]:
-    """predict.lua, cycling through the request bodies in `bodies` (one a line)."""
-    return wrk(url, clients, seconds, LUA, {"BODIES": str(bodies)})
-
-
-def wrk(
-    url: str, clients: int, seconds: float, script: Path, script_env: dict[str, str]
-) -> dict[str, Any]:
-    """One wrk run (1 thread, `clients` connections); the Lua script's JSON summary."""
-    command = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(seconds))}s", "--latency"]
-    command += ["--timeout", "10s", "-s", str(script), url]
-    result = subprocess.run(
-        command, env={**os.environ, **script_env}, capture_output=True, text=True
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"wrk failed ({result.returncode}): {result.stderr or result.stdout}")
-    summary: dict[str, Any] = json.loads(lines[-1])
-    return summary
 
 
 def measure(
@@ -500,12 +315,6 @@ def to_point(
         client_cores=round(client_s / seconds, 2),
         other_cores=round(max(0.0, total_s - server_s - client_s) / seconds, 2),
     )
-
-
-def in_turn(items: list[Item], number: int) -> list[Item]:
-    """`items` in the order of round `number`: A B C, then B C A, then C A B, …"""
-    turn = number % len(items)
-    return items[turn:] + items[:turn]
 
 
 def served_and_naive(
@@ -953,8 +762,7 @@ def markdown(
         "",
         f"Written by `{meta['command']}` on {meta['date']}.",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, Python "
-        f"{m['python']}, torch {m['torch']}; {config['threads']} torch threads everywhere.",
+        f"{machine_bullet(m, config['threads'])} everywhere.",
         f"- Load average (1 min) before the run: {load['first']:.2f}; at the start "
         f"{load['at_start']:.2f} after waiting {load['waited_s']} s (the run waits, up to "
         f"{config['load_wait']:.0f} s, for it to be ≤ {BUSY_LOAD}).",
@@ -1043,6 +851,7 @@ def markdown(
             for t in found
         ),
         "",
+        *reading(points),
         "## What the server did (from its /metrics, and CPU time from /proc)",
         "",
         "Mean batch: texts per forward. Model busy: the share of the wall time a forward was "
@@ -1055,6 +864,26 @@ def markdown(
         "Plot: [throughput.png](throughput.png) (needs matplotlib: `pip install matplotlib`).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def reading(points: list[Point]) -> list[str]:
+    """What keeps served below the raw model, from how busy the model was."""
+    served = by_clients(points, "served")
+    if TARGET_CLIENTS not in served:
+        return []
+    most, at = served[max(served)], served[TARGET_CLIENTS]
+    return [
+        "## What the figures say",
+        "",
+        f"At {most.clients} clients the batches held {most.mean_batch:.1f} texts and the model "
+        f"was busy {most.model_busy:.0%} of the time, yet served stays below raw: the event "
+        "loop's work for the next requests runs beside the forward on the same cores, and a "
+        "torch thread descheduled for it holds up the other at each parallel region "
+        "([threads on a shared CPU](../../loading.md#speed-and-memory-on-this-cpu)). At "
+        f"{TARGET_CLIENTS} clients the model was busy {at.model_busy:.0%} of the time: it waits "
+        "while the event loop answers a whole batch's clients and reads their next requests.",
+        "",
+    ]
 
 
 def plot(points: list[Point], raw: dict[str, float], path: Path) -> bool:
@@ -1116,9 +945,7 @@ def model_name() -> str:
 
 
 def write(out: Path, text: str, data: dict[str, Any], points: list[Point], raw: Any) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.md").write_text(text, encoding="utf-8")
-    (out / "throughput.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_report(out, "throughput", data, text)
     plot(points, raw, out / "throughput.png")
 
 
@@ -1147,10 +974,7 @@ def parse_args(argv: list[str] | None) -> Config:
         help=f"settings of the variant server (default {env_text(VARIANT)}); repeatable",
     )
     parser.add_argument("--no-variant", action="store_true", help="leave the variant server out")
-    parser.add_argument("--out", type=Path, help="report folder (default bench/reports)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 2 s points, 1 and 32 clients"
-    )
+    add_out(parser, quick_help="smoke run: 2 s points, 1 and 32 clients")
     args = parser.parse_args(argv)
     quick = args.quick
     clients = args.concurrency or ("1,32" if quick else "1,4,16,32,64")
@@ -1162,50 +986,13 @@ def parse_args(argv: list[str] | None) -> Config:
         texts=args.texts,
         cache_seconds=1.0 if quick else 3.0,
         load_wait=args.load_wait if args.load_wait is not None else (0.0 if quick else 900.0),
-        out=args.out or (REPO / "bench" / "out" / "throughput-quick" if quick else REPORTS),
+        out=out_folder(args.out, quick, "throughput"),
         variant_env={}
         if args.no_variant
         else dict(item.split("=", 1) for item in args.variant_env)
         if args.variant_env
         else VARIANT,
     )
-
-
-def run_meta(
-    module: str,
-    argv: list[str] | None,
-    load: dict[str, float],
-    model: str,
-    config: Any,
-    started: float,
-) -> dict[str, Any]:
-    """What a report says of its run: command, date, machine, load, model, configuration
-    (a dataclass with an `out` folder) and how long it took."""
-    given = sys.argv[1:] if argv is None else argv
-    return {
-        "command": " ".join([f"python -m {module}", *given]),
-        "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "machine": machine(),
-        "load_average": load,
-        "model": model,
-        "config": {**asdict(config), "out": shown(config.out)},
-        "run_seconds": round(time.monotonic() - started),
-    }
-
-
-def shown(path: Path) -> str:
-    """A path as the report shows it: relative to the repository when inside it."""
-    resolved = path.resolve()
-    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM ends the run like Ctrl-C does, so every `finally` stops its server."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1250,7 +1037,6 @@ def main(argv: list[str] | None = None) -> int:
         "targets": found,
     }
     write(config.out, text, data, points, raw)
-    print(text)
     print(f"written to {shown(config.out)}/ in {meta['run_seconds']} s")
     return 0
 

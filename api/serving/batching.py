@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 Result = TypeVar("Result")
 # The cost model weighs the oldest this many batches' worth of rows: later ones would not run
 # for several turns anyway, and its dynamic programme runs in the event loop in
-# O(rows × max_batch_size): a full queue of 8,192 rows held the loop 62 ms a batch here.
+# O(rows × max_batch_size), too long a pause at a full queue (bench/reports/measured_in_tests.md,
+# "Batch planning").
 COST_MODEL_WINDOW_BATCHES = 4
 # Per row, its result, or the exception that fails that row alone.
 PredictBatch = Callable[[list[list[int]], list[str | None]], Sequence[Result | BaseException]]

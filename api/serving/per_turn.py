@@ -1,10 +1,7 @@
 """Work that the requests of one turn of the event loop each ask for, done once for them all.
 
 A call that lets the GIL go (the Rust tokenizer's, a sqlite statement) costs the event loop a
-wait to take it back from whichever thread took it meanwhile (the batch worker, the disk
-writer). Under load one turn of the loop holds the requests of the clients a batch has just
-answered, up to a batch's worth: asked together, they make that round trip once between them
-instead of once each.
+wait to take it back, so the requests of one turn, asked together, wait once between them.
 """
 
 from __future__ import annotations

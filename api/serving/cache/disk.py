@@ -29,20 +29,17 @@ from api.serving.per_turn import PerTurn
 
 logger = logging.getLogger(__name__)
 
-# How long the writer lets answers gather before it takes them into one transaction. Much
-# of a transaction's cost is its commit: an entry cost ~62 µs of CPU written alone and ~23 µs
-# among 64 (2 cores), and a batch's requests store their answers milliseconds apart, so
-# without the wait most commits held one entry. Each commit also makes the event loop's next
-# read start from a cold sqlite page cache. The LRU tier in front answers repeats meanwhile:
-# only another process sees an entry this much later.
+# How long the writer lets answers gather before it takes them into one transaction: much of
+# a transaction's cost is its commit, and a batch's requests store their answers milliseconds
+# apart (bench/reports/measured_in_tests.md, "The disk tier's writes and reads"). The LRU tier
+# in front answers repeats meanwhile: only another process sees an entry this much later.
 WRITE_GATHER_SECONDS = 0.02
 
-# diskcache reads one key a statement and writes two statements an entry, and each statement
-# lets the GIL go: on the event loop, one a fresh request cost the loop a wait to take the GIL
-# back from the batch worker or the writer; in the writer, each let the loop wait for it. So
-# the tier queries diskcache's own table (its schema in diskcache 5, to which pyproject.toml
-# holds it) one statement a turn's reads and one a transaction's writes, and leaves the
-# schema, its triggers' count of entries, expiry and eviction (`cull`) to diskcache.
+# Each sqlite statement lets the GIL go, and the thread that let it go then waits to take it
+# back, so the tier queries diskcache's own table (its schema in diskcache 5, to which
+# pyproject.toml holds it) one statement a turn's reads and one a transaction's writes, where
+# diskcache's own calls run one a key read and two an entry written. The schema, its
+# triggers' count of entries, expiry and eviction (`cull`) stay diskcache's.
 
 # The keys of a turn's requests, as diskcache's `get` finds one: a text key is stored with
 # raw = 1, and an expired row is a miss.
@@ -57,8 +54,7 @@ READ_QUERY = (
 # file, no tag), stored and accessed now. A row the key held, whatever it was (a pickle, a
 # file's name, which is never deleted), is overwritten in place. An object, not an array of
 # pairs: json_each gives each member's key and text as they are, where `json_extract` on a
-# pair parses it again for each column (`make bench-disk-tier`: 22 µs of CPU an entry against
-# 15, where diskcache's own `set` takes 26).
+# pair parses it again for each column.
 WRITE_QUERY = (
     "INSERT INTO Cache(key, raw, store_time, expire_time, access_time, access_count, tag, size,"
     " mode, filename, value)"
@@ -103,11 +99,9 @@ class DiskTier:
         self.metrics = metrics
         self._doorkeeper = doorkeeper
         # Least recently stored, not used: under "least-recently-used" every read, a miss
-        # included, updates the entry's access time in a write transaction, so the event
-        # loop's reads queued behind the writer thread's commits for the sqlite lock. Under
-        # overload (128 clients, fresh texts) that held the loop for seconds: 200s past the
-        # 2 s target and starved batches. Reads are now plain selects, which WAL never
-        # blocks; the LRU tier in front keeps what is hot.
+        # included, writes the entry's access time, so the event loop's reads would queue
+        # for the sqlite lock behind the writer's commits. Reads stay plain selects, which
+        # WAL never blocks; the LRU tier in front keeps what is hot.
         self._cache = diskcache.Cache(
             str(folder),
             disk=TextOnlyDisk,
@@ -277,7 +271,7 @@ class DiskTier:
 def value_text(entry: Entry) -> str:
     """The text a row keeps for an entry: its probabilities and logits, a JSON array of two
     arrays. orjson, not json: the writer holds the GIL while it writes them (the event loop
-    waits), and the standard library writes floats ~15 times slower."""
+    waits), and the standard library writes floats much slower."""
     return orjson.dumps(entry).decode()
 
 
