@@ -109,7 +109,8 @@ def measure(url: str, pids: tuple[int, ...], seconds: float, texts: Path) -> Rou
         predict_rps=round(predict_rps, 1),
         ratio=round(predict_rps / health_rps, 3),
         statuses=predict["statuses"],
-        machine_idle=round(1 - (after.busy - before.busy) / (wall * CORES), 3),
+        # /proc/stat counts in ticks: a fully busy run can read a tick over its wall time.
+        machine_idle=round(max(0.0, 1 - (after.busy - before.busy) / (wall * CORES)), 3),
         loop_cores=[round(r, 3) for r in ran],
         loop_waiting=[round(w, 3) for w in waited],
         # A process's stat counts in clock ticks, its loop's schedstat in ns: never below 0.
