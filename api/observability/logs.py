@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import re
 from typing import Any, Literal
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 
 from api.observability.record import CURRENT, RequestRecord
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 LogFormat = Literal["text", "json"]
 ACCESS_LOGGER = "loraserve.access"
@@ -104,7 +107,13 @@ def log_access(request: RequestRecord) -> None:
     """The one access line of a finished request, at info; its fields come with it."""
     logger = logging.getLogger(ACCESS_LOGGER)
     if logger.isEnabledFor(logging.INFO):
-        logger.info("%s %s %s", request.method, request.path, request.status)
+        logger.info("%s %s %s", request.method, printable(request.path), request.status)
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped: a client's path (`%0A` decodes to a line
+    break) cannot start a forged line in a text log."""
+    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
 
 
 def quiet_libraries() -> None:

@@ -4,6 +4,7 @@ its trace exported over OTLP/HTTP to a real receiver; never a text of it in any 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.observability import tracing
+from api.observability.logs import ACCESS_LOGGER, log_access
+from api.observability.record import RequestRecord
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
 from tests.support.server_process import ServerProcess, run_server
 from tests.support.tiny_models import LABELS, TinyModel, write_models_file
@@ -411,3 +414,18 @@ def test_fastapis_own_telemetry_adds_nothing_where_a_global_provider_is_set() ->
         check=True,
     )
     assert ran.stdout.strip().splitlines()[-1] == "[200, 200] []"
+
+
+def test_a_path_cannot_forge_a_line_of_the_text_access_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`%0A` in a request's path decodes to a line break: the text log escapes it, so a client
+    cannot write a line of its own choosing into the operator's log."""
+    forged = "/predict\n2026-12-01 00:00:00 INFO loraserve.access POST /v1/load_lora_adapter 200"
+    record = RequestRecord("id", "GET", forged, "other")
+    record.status = 404
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        log_access(record)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert "\n" not in line
+    assert line == f"GET {forged.replace(chr(10), chr(92) + 'x0a')} 404"

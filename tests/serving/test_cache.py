@@ -16,17 +16,19 @@ from pathlib import Path
 import diskcache
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.metrics import Metrics
 from api.models.spec import AdapterSpec
-from api.serving.cache import disk
+from api.serving.cache import ResultCache, disk
 from api.serving.cache.disk import DiskTier
 from api.serving.cache.entry import Entry
 from api.serving.cache.lru import LruTier
 from api.serving.cache.text_disk import TextOnlyDisk
-from api.serving.cache.verify import AnswerShape, Rejected
+from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape, Rejected
+from tests.support.in_process import make_settings, spec_for
 from tests.support.in_process import serving as serve
-from tests.support.in_process import spec_for
 from tests.support.tiny_models import TinyModel
 
 TEXT = {"inputs": "win a free prize now"}
@@ -395,3 +397,25 @@ async def test_the_disk_tier_stays_within_its_bytes_and_keeps_the_latest_entries
     oldest = await reopened.get_many(keys[:50], AnswerShape(labels=2))
     await reopened.close()
     assert latest == [entry] * 50 and oldest == [None] * 50, stored
+
+
+async def test_every_rejection_series_of_each_tier_is_there_from_the_start(
+    tmp_path: Path,
+) -> None:
+    """A dashboard's panel on loraserve_cache_rejected_total reads 0, not "No data", until
+    the first refusal: each tier's reasons are exported at 0 as the cache opens."""
+    settings = make_settings(disk_cache_dir=tmp_path / "disk")
+    metrics = Metrics(settings.latency_target_seconds)
+    cache = ResultCache.from_settings(settings, metrics)
+    try:
+        exported = {
+            (sample.labels["tier"], sample.labels["reason"]): sample.value
+            for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+            for sample in family.samples
+            if sample.name == "loraserve_cache_rejected_total"
+        }
+    finally:
+        await cache.close()
+    expected = {("lru", reason) for reason in NOT_AN_ANSWER}
+    expected |= {("disk", reason) for reason in ("format", *NOT_AN_ANSWER)}
+    assert exported == dict.fromkeys(expected, 0.0)

@@ -24,7 +24,7 @@ from api.serving.cache.doorkeeper import Doorkeeper
 from api.serving.cache.entry import Entry
 from api.serving.cache.text_disk import TextOnlyDisk, text_value
 from api.serving.cache.tier import screened
-from api.serving.cache.verify import AnswerShape, Rejected
+from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape, Rejected
 from api.serving.per_turn import PerTurn
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class DiskTier:
     """
 
     name = "disk"
+    rejects: tuple[str, ...] = ("format", *NOT_AN_ANSWER)
 
     def __init__(
         self,

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from api.metrics import Metrics
 from api.serving.cache.entry import Entry
 from api.serving.cache.tier import screened
-from api.serving.cache.verify import AnswerShape
+from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape
 
 
 class LruTier:
     """A bounded least-recently-used map; only the event loop touches it."""
 
     name = "lru"
+    rejects: tuple[str, ...] = NOT_AN_ANSWER
 
     def __init__(self, max_entries: int, metrics: Metrics) -> None:
         self.max_entries = max_entries

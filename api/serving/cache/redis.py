@@ -20,7 +20,7 @@ from api.metrics import Metrics
 from api.serving.cache.breaker import Breaker
 from api.serving.cache.entry import Entry, is_finite
 from api.serving.cache.tier import screened
-from api.serving.cache.verify import AnswerShape, Rejected
+from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape, Rejected
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class RedisTier:
     is skipped without a call, and every skip is counted."""
 
     name = "redis"
+    rejects: tuple[str, ...] = ("format", "mac", *NOT_AN_ANSWER)
 
     def __init__(
         self,

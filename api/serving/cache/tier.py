@@ -15,6 +15,7 @@ class Tier(Protocol):
     tier under its name in the cache metrics."""
 
     name: str
+    rejects: tuple[str, ...]  # the reasons it may count a value rejected for
 
     async def get_many(self, keys: Sequence[str], shape: AnswerShape) -> list[Entry | None]:
         """The entry for each key, None where it has none or what it has is not an answer

@@ -78,6 +78,9 @@ class ResultCache:
             )
             tiers.append(redis)
             shared.append(redis.name)
+        for tier in tiers:  # every series there from the start: a dashboard's 0, not "No data"
+            for reason in tier.rejects:
+                metrics.cache_rejected.labels(tier.name, reason)
         return cls(tiers, shared)
 
     @property

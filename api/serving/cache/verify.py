@@ -20,6 +20,8 @@ from api.serving.cache.entry import Entry, is_finite
 # that with room (the hypothesis test in tests/test_cache_verification.py runs extreme logits),
 # and still tells any other answer apart.
 FLOAT32_EPS = 2.0**-23
+# Why a value is not an answer of the model it was read for (`rejection`'s reasons).
+NOT_AN_ANSWER = ("labels", "non_finite", "range", "softmax")
 SLACK_ULPS = 64
 
 
