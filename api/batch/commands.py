@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -19,11 +18,19 @@ import httpx
 
 from api.batch.evaluation import Judged, disagreements, evaluate
 from api.batch.local import local_service
-from api.batch.output import OutputError, Writer, header, open_output
+from api.batch.output import OutputError, Writer, header, json_text, open_output
 from api.batch.progress import Progress
 from api.batch.remote import remote_service
 from api.batch.report import can_plot, draw_plots, markdown, terminal_table
-from api.batch.rows import Columns, Format, InputError, Row, count_rows, read_rows
+from api.batch.rows import (
+    Columns,
+    Format,
+    InputError,
+    Row,
+    count_rows,
+    read_rows,
+    valid_unicode,
+)
 from api.batch.run import Run, Tally, score_file
 from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
 from api.cpus import CpuPinningError, pin_process
@@ -289,11 +296,11 @@ async def run_evaluate(args: argparse.Namespace) -> int:
         "disagreements": disagreeing,
     }
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        args.json.write_text(json_text(result, indent=2) + "\n", "utf-8")
     if args.report is not None:
         plots = draw_plots(args.report, judged_by, labels)
         text = markdown(reports, disagreeing, args.file.name, plots)
-        (args.report / "report.md").write_text(text, encoding="utf-8")
+        (args.report / "report.md").write_text(valid_unicode(text), encoding="utf-8")
         if not can_plot():
             print("loraserve: no plots: matplotlib is not installed", file=sys.stderr)
     return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from api import __version__
-from api.batch.rows import Row
+from api.batch.rows import Row, valid_unicode
 from api.batch.scoring import Outcome, Servable
 
 HEADER_KEY = "header"
@@ -97,6 +97,13 @@ def check_resumable(path: Path, done: Done, wanted: dict[str, Any]) -> None:
         )
 
 
+def json_text(value: object, indent: int | None = None) -> str:
+    """`value` as JSON that is valid UTF-8: a lone surrogate left in it (an id or label
+    refused as such, a file name that is not UTF-8) is written as U+FFFD, so no write fails
+    and every reader (jq, pandas) takes every line."""
+    return valid_unicode(json.dumps(value, ensure_ascii=False, indent=indent))
+
+
 class Writer:
     """Writes whole lines and flushes after each chunk."""
 
@@ -106,7 +113,7 @@ class Writer:
     def write(self, lines: list[dict[str, Any]]) -> None:
         if not lines:
             return
-        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        text = "".join(json_text(line) + "\n" for line in lines)
         self.stream.write(text)
         self.stream.flush()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ FORMATS: dict[str, Format] = {
 }
 # JSONL rows may carry their text under /predict's own field name.
 JSONL_TEXT_FALLBACK = "inputs"
+# JSON may carry a lone surrogate ("\ud800"); UTF-8, so no output line, can hold one.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class InputError(ValueError):
@@ -92,7 +95,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[Record | None, str | None]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                yield None, f"line {number}: not JSON ({exc.msg})"
+                cut = "" if line.endswith("\n") else "; the last line, with no newline: cut?"
+                yield None, f"line {number}: not JSON ({exc.msg}){cut}"
                 continue
             if not isinstance(record, dict):
                 yield None, f"line {number}: not a JSON object"
@@ -134,7 +138,24 @@ def _row(index: int, record: Record, columns: Columns, kind: Format) -> Row:
         return Row(index, None, row_id, label, f"no {columns.text!r} in this row")
     if not isinstance(text, str):
         return Row(index, None, row_id, label, f"{columns.text!r} is not a string")
+    # Not scored: its line could not give back the id or label the file holds (a text with
+    # one is the service's to refuse, as it refuses it from any client).
+    for name, value in ((columns.id, row_id), (columns.label, label)):
+        if value is not None and has_lone_surrogate(value):
+            problem = f"{name!r} is not valid Unicode (lone surrogate, written as U+FFFD)"
+            return Row(index, None, row_id, label, problem)
     return Row(index, text, row_id, label)
+
+
+def has_lone_surrogate(value: object) -> bool:
+    """Whether a JSON value holds a lone surrogate, in a string at any depth."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return LONE_SURROGATE.search(text) is not None
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD: text UTF-8 can hold."""
+    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _label(record: Record, name: str | None) -> str | None:

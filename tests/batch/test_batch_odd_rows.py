@@ -66,3 +66,82 @@ def test_a_text_with_a_lone_surrogate_is_refused_in_process_as_over_http(
     assert errors_of(remote_rows)[1]["code"] == "invalid_input"
     assert "lone surrogate" in errors_of(remote_rows)[1]["message"]
     assert [r.get("label") for r in remote_rows] == [r.get("label") for r in rows]
+
+
+def odd_file(path: Path) -> Path:
+    """Seven labelled rows, five of them odd; the last line cut mid-row, as by a copy that
+    stopped short."""
+    write_jsonl(
+        path,
+        [
+            {"id": "a\ud800", "text": SPAM, "label": "spam"},  # 0: the id
+            {"id": "b", "text": "call \udc00 now", "label": "spam"},  # 1: the text
+            {"id": "c", "text": "", "label": "ham"},  # 2: an empty text
+            {"id": "c", "text": HAM, "label": "ham"},  # 3: the id of row 2 again
+            {"id": "d", "text": HAM, "label": "\ud800"},  # 4: the label (evaluate)
+            {"id": "e", "text": SPAM, "label": "spam"},  # 5
+        ],
+    )
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write('{"id": "f", "te')  # 6
+    return path
+
+
+def read_strictly(path: Path) -> list[dict[str, Any]]:
+    """Every line of an output as jq or pandas reads it: strict UTF-8, each a JSON object,
+    none holding a lone surrogate (or its escape)."""
+    text = path.read_bytes().decode("utf-8")  # strict: raises on anything else
+    assert "\\ud8" not in text.lower() and "\\udc" not in text.lower()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_score_writes_every_odd_row_as_an_error_row_and_resume_completes(
+    env: dict[str, str], folder: Path
+) -> None:
+    source = odd_file(folder / "odd.jsonl")
+    args = ["score", source, "--batch-size", "2", "--no-cache"]
+    whole = folder / "odd.scored.jsonl"
+    done = run_cli(env, folder, *args, "-o", whole)
+    assert done.returncode == 0, done.stderr
+    lines = read_strictly(whole)
+    rows = lines[1:]
+    assert [r["row"] for r in rows] == list(range(7))
+    assert [r.get("id") for r in rows] == ["a\ufffd", "b", "c", "c", "d", "e", None]
+    errors = errors_of(rows)
+    assert sorted(errors) == [0, 1, 2, 6]
+    assert {e["code"] for e in errors.values()} == {"invalid_input"}
+    assert "'id' is not valid Unicode (lone surrogate, written as U+FFFD)" in errors[0]["message"]
+    assert "inputs[0] is not valid Unicode (lone surrogate)" in errors[1]["message"]
+    assert "no tokens" in errors[2]["message"]
+    assert "line 7: not JSON" in errors[6]["message"] and "cut?" in errors[6]["message"]
+    assert all("label" in rows[i] for i in (3, 4, 5))  # a repeated id is scored as any other
+    assert "scored 3 rows, 4 written with an error (invalid_input: 4)" in done.stderr
+
+    # Stopped after row 2, mid-write of row 3: --resume takes the odd rows again as they come.
+    resumed = folder / "odd.resumed.jsonl"
+    text = whole.read_text(encoding="utf-8").splitlines(keepends=True)
+    resumed.write_text("".join(text[:4]) + text[4][:9], encoding="utf-8")
+    done = run_cli(env, folder, *args, "-o", resumed, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "(3 already in the output)" in done.stderr
+    assert read_strictly(resumed) == lines
+
+
+def test_evaluate_counts_every_odd_row_as_an_error_and_writes_its_reports(
+    env: dict[str, str], folder: Path, tmp_path: Path
+) -> None:
+    # A file name that is not UTF-8 (byte 0xff) reaches Python as a lone surrogate too.
+    source = odd_file(tmp_path / "odd-\udcff.jsonl")
+    metrics, report = tmp_path / "metrics.json", tmp_path / "report"
+    done = run_cli(env, folder, "evaluate", source, "--json", metrics, "--report", report)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(metrics.read_bytes().decode("utf-8"))
+    assert result["input"].endswith("odd-\ufffd.jsonl")
+    reported = result["servables"][0]
+    assert (reported["rows"], reported["scored"], reported["errors"]) == (7, 2, 5)
+    rows = read_strictly(report / "scores-0.jsonl")[1:]
+    errors = errors_of(rows)
+    assert sorted(errors) == [0, 1, 2, 4, 6]
+    assert "'label' is not valid Unicode" in errors[4]["message"]
+    assert rows[4]["expected"] == "\ufffd"
+    assert (report / "report.md").read_bytes().decode("utf-8").startswith("# Evaluation of")
