@@ -28,6 +28,7 @@ from api.batch.rows import (
     InputError,
     Row,
     count_rows,
+    input_identity,
     read_rows,
     valid_unicode,
 )
@@ -214,14 +215,15 @@ async def run_score(args: argparse.Namespace) -> int:
     if args.resume and args.output is None:
         raise UsageError("--resume needs --output: it continues that file")
     target = Target(args.model, args.adapter, args.cascade)
+    identity = input_identity(args.file, columns, fmt)
     async with service(args) as source:
-        wanted = header(await source.describe(target), args.truncate)
+        wanted = header(await source.describe(target), args.truncate, identity)
         if args.output is None:
             stream: IO[str] = sys.stdout
             Writer(stream).write([{"header": wanted}])
             done = 0
         else:
-            stream, done = open_output(args.output, args.resume, wanted)
+            stream, done = open_output(args.output, args.resume, wanted, total)
         try:
             progress = None if args.quiet else Progress(total, done)
             rows = islice(read_rows(args.file, columns, fmt), done, None)
@@ -249,6 +251,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
     fmt: Format | None = args.format
     mapping = label_map(args.label_map)
     total = count_rows(args.file, columns, fmt)
+    identity = input_identity(args.file, columns, fmt)
     if args.report is not None:
         args.report.mkdir(parents=True, exist_ok=True)
 
@@ -274,7 +277,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
             try:
                 writer = Writer(scored) if scored is not None else None
                 if writer is not None:
-                    writer.write([{"header": header(servable, args.truncate)}])
+                    writer.write([{"header": header(servable, args.truncate, identity)}])
                 progress = None if args.quiet else Progress(total)
                 run = Run(source, target, args.truncate, args.batch_size)
                 rows = read_rows(args.file, columns, fmt)

@@ -4,12 +4,13 @@ reason it has none. A bad row is a row with an error, never a row dropped."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Format = Literal["jsonl", "csv", "tsv"]
 FORMATS: dict[str, Format] = {
@@ -25,6 +26,7 @@ FORMATS: dict[str, Format] = {
 JSONL_TEXT_FALLBACK = "inputs"
 # JSON may carry a lone surrogate ("\ud800"); UTF-8, so no output line, can hold one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+DIGEST_BLOCK_BYTES = 1 << 20
 
 
 class InputError(ValueError):
@@ -78,6 +80,25 @@ def read_rows(path: Path, columns: Columns, given: Format | None = None) -> Iter
 def count_rows(path: Path, columns: Columns, given: Format | None = None) -> int:
     """How many rows read_rows gives: the total a progress report counts to."""
     return sum(1 for _ in read_rows(path, columns, given))
+
+
+def input_identity(path: Path, columns: Columns, given: Format | None = None) -> dict[str, Any]:
+    """What the output's header records of its input, for --resume to check that row n is
+    still the same row n: the format, the columns, the size and SHA-256 of the whole file
+    (a row inserted, changed or added anywhere changes them), and its path as given."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(DIGEST_BLOCK_BYTES):
+            digest.update(block)
+    named = asdict(columns)
+    named["names"] = None if columns.names is None else list(columns.names)
+    return {
+        "path": str(path),
+        "format": file_format(path, given),
+        "columns": named,
+        "bytes": path.stat().st_size,
+        "sha256": digest.hexdigest(),
+    }
 
 
 def problem_row(index: int, problem: str | None) -> Row:

@@ -6,6 +6,7 @@ takes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,53 @@ def test_evaluate_counts_every_odd_row_as_an_error_and_writes_its_reports(
     assert "'label' is not valid Unicode" in errors[4]["message"]
     assert rows[4]["expected"] == "\ufffd"
     assert (report / "report.md").read_bytes().decode("utf-8").startswith("# Evaluation of")
+
+
+def test_resume_refuses_another_input_other_columns_and_an_output_longer_than_its_input(
+    env: dict[str, str], folder: Path, tmp_path: Path
+) -> None:
+    records = [{"id": 1, "text": SPAM}, {"id": 2, "text": HAM}, {"id": 3, "text": SPAM}]
+    source = write_jsonl(tmp_path / "three.jsonl", records)
+    output = tmp_path / "three.scored.jsonl"
+    done = run_cli(env, folder, "score", source, "-o", output)
+    assert done.returncode == 0, done.stderr
+    header, _ = read_jsonl(output)
+    assert header["input"] == {
+        "path": str(source),
+        "format": "jsonl",
+        "columns": {"text": "text", "id": "id", "label": None, "names": None},
+        "bytes": source.stat().st_size,
+        "sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+    }
+    whole = output.read_text(encoding="utf-8")
+    two_rows = "".join(whole.splitlines(keepends=True)[:3])
+
+    def resume(started: str, *args: str | Path) -> str:
+        """--resume on an output that holds `started`; what it said, the output untouched."""
+        output.write_text(started, encoding="utf-8")
+        done = run_cli(env, folder, "score", *args, "-o", output, "--resume")
+        assert done.returncode == 1, done.stderr
+        assert output.read_text(encoding="utf-8") == started
+        return done.stderr
+
+    other = write_jsonl(tmp_path / "other.jsonl", [{"id": 1, "text": HAM}, *records[1:]])
+    said = resume(two_rows, other)
+    assert "scored with other input.bytes, input.sha256 (input.bytes: " in said
+    assert f"it began from {source}" in said
+    # Same path, a row inserted before those scored: the rows moved under the old header.
+    write_jsonl(source, [{"id": 0, "text": HAM}, *records])
+    assert "scored with other input.bytes, input.sha256" in resume(two_rows, source)
+    write_jsonl(source, records)
+    said = resume(two_rows, source, "--id-column", "key")
+    assert "scored with other input.columns.id (input.columns.id: 'id' then, 'key' now)" in said
+    said = resume(two_rows, source, "--format", "tsv", "--columns", "text")
+    assert "scored with other input.format, input.columns.names" in said
+    extra = json.dumps({"row": 3, "id": 4, "label": "ham", "scores": []}) + "\n"
+    assert "holds 4 rows, more than the 3 of its input" in resume(whole + extra, source)
+
+    # The same input, named from another folder, resumes to the run it began.
+    output.write_text(two_rows, encoding="utf-8")
+    done = run_cli(env, source.parent, "score", source.name, "-o", output, "--resume")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in whole.splitlines()[1:]]
+    assert read_jsonl(output)[1] == rows
