@@ -56,7 +56,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="score a JSONL, CSV or TSV file into JSONL",
         description="Scores every row of FILE with the models file's models (in process, or "
         "against a running server with --url) and writes one JSON line per row, in input "
-        "order, after a header line that names the model, adapter and answer identity.",
+        "order, after a header line that names the model, adapter, answer identity and input.",
     )
     _common(score)
     score.add_argument("--adapter", help="the adapter (default: the model's default)")
@@ -64,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     score.add_argument(
         "--resume",
         action="store_true",
-        help="continue the rows --output does not hold yet (an interrupted run)",
+        help="continue the rows --output does not hold yet (an interrupted run of this input)",
     )
     score.set_defaults(run=run_score)
 
