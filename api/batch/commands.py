@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -19,11 +18,20 @@ import httpx
 
 from api.batch.evaluation import Judged, disagreements, evaluate
 from api.batch.local import local_service
-from api.batch.output import OutputError, Writer, header, open_output
+from api.batch.output import OutputError, Writer, header, json_text, open_output
 from api.batch.progress import Progress
 from api.batch.remote import remote_service
 from api.batch.report import can_plot, draw_plots, markdown, terminal_table
-from api.batch.rows import Columns, Format, InputError, Row, count_rows, read_rows
+from api.batch.rows import (
+    Columns,
+    Format,
+    InputError,
+    Row,
+    count_rows,
+    input_identity,
+    read_rows,
+    valid_unicode,
+)
 from api.batch.run import Run, Tally, score_file
 from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
 from api.cpus import CpuPinningError, pin_process
@@ -48,7 +56,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="score a JSONL, CSV or TSV file into JSONL",
         description="Scores every row of FILE with the models file's models (in process, or "
         "against a running server with --url) and writes one JSON line per row, in input "
-        "order, after a header line that names the model, adapter and answer identity.",
+        "order, after a header line that names the model, adapter, answer identity and input.",
     )
     _common(score)
     score.add_argument("--adapter", help="the adapter (default: the model's default)")
@@ -56,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     score.add_argument(
         "--resume",
         action="store_true",
-        help="continue the rows --output does not hold yet (an interrupted run)",
+        help="continue the rows --output does not hold yet (an interrupted run of this input)",
     )
     score.set_defaults(run=run_score)
 
@@ -207,14 +215,15 @@ async def run_score(args: argparse.Namespace) -> int:
     if args.resume and args.output is None:
         raise UsageError("--resume needs --output: it continues that file")
     target = Target(args.model, args.adapter, args.cascade)
+    identity = input_identity(args.file, columns, fmt)
     async with service(args) as source:
-        wanted = header(await source.describe(target), args.truncate)
+        wanted = header(await source.describe(target), args.truncate, identity)
         if args.output is None:
             stream: IO[str] = sys.stdout
             Writer(stream).write([{"header": wanted}])
             done = 0
         else:
-            stream, done = open_output(args.output, args.resume, wanted)
+            stream, done = open_output(args.output, args.resume, wanted, total)
         try:
             progress = None if args.quiet else Progress(total, done)
             rows = islice(read_rows(args.file, columns, fmt), done, None)
@@ -242,6 +251,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
     fmt: Format | None = args.format
     mapping = label_map(args.label_map)
     total = count_rows(args.file, columns, fmt)
+    identity = input_identity(args.file, columns, fmt)
     if args.report is not None:
         args.report.mkdir(parents=True, exist_ok=True)
 
@@ -267,7 +277,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
             try:
                 writer = Writer(scored) if scored is not None else None
                 if writer is not None:
-                    writer.write([{"header": header(servable, args.truncate)}])
+                    writer.write([{"header": header(servable, args.truncate, identity)}])
                 progress = None if args.quiet else Progress(total)
                 run = Run(source, target, args.truncate, args.batch_size)
                 rows = read_rows(args.file, columns, fmt)
@@ -289,11 +299,11 @@ async def run_evaluate(args: argparse.Namespace) -> int:
         "disagreements": disagreeing,
     }
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", "utf-8")
+        args.json.write_text(json_text(result, indent=2) + "\n", "utf-8")
     if args.report is not None:
         plots = draw_plots(args.report, judged_by, labels)
         text = markdown(reports, disagreeing, args.file.name, plots)
-        (args.report / "report.md").write_text(text, encoding="utf-8")
+        (args.report / "report.md").write_text(valid_unicode(text), encoding="utf-8")
         if not can_plot():
             print("loraserve: no plots: matplotlib is not installed", file=sys.stderr)
     return 0

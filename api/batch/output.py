@@ -1,6 +1,7 @@
-"""The output JSONL: a header line saying what scored the file, then one line per input
-row, in input order. Lines are written whole and flushed per chunk, so an interrupted run
-leaves at most one cut line at the end, which --resume drops and scores again."""
+"""The output JSONL: a header line saying what scored the file and from which input, then
+one line per input row, in input order. Lines are written whole and flushed per chunk, so an
+interrupted run leaves at most one cut line at the end, which --resume drops and scores
+again, once the header says it is the same input scored the same way."""
 
 from __future__ import annotations
 
@@ -10,21 +11,24 @@ from pathlib import Path
 from typing import IO, Any
 
 from api import __version__
-from api.batch.rows import Row
+from api.batch.rows import Row, valid_unicode
 from api.batch.scoring import Outcome, Servable
 
 HEADER_KEY = "header"
-# What must match for --resume to add to an output: the same answers to the same texts.
-RESUME_KEYS = ("model", "adapter", "labels", "identities", "truncate")
+# What must match for --resume to add to an output: the same answers to the same rows.
+RESUME_KEYS = ("model", "adapter", "labels", "identities", "truncate", "input")
+# Not checked: the same file named from another folder is the same input.
+UNCHECKED = ("input.path",)
 
 
 class OutputError(ValueError):
     """An output that --resume cannot continue."""
 
 
-def header(servable: Servable, truncate: bool) -> dict[str, Any]:
-    """The header line's content: the servable, its answer identities, truncation."""
-    return {**asdict(servable), "truncate": truncate, "version": __version__}
+def header(servable: Servable, truncate: bool, source: dict[str, Any]) -> dict[str, Any]:
+    """The header line's content: the servable, its answer identities, truncation, and the
+    input's identity (rows.input_identity)."""
+    return {**asdict(servable), "truncate": truncate, "input": source, "version": __version__}
 
 
 def row_line(row: Row, outcome: Outcome | None, expected: str | None = None) -> dict[str, Any]:
@@ -83,18 +87,44 @@ def read_done(path: Path) -> Done:
     return Done(found, rows, valid)
 
 
-def check_resumable(path: Path, done: Done, wanted: dict[str, Any]) -> None:
+def check_resumable(path: Path, done: Done, wanted: dict[str, Any], total: int) -> None:
     """Refuses to add to an output that other answers (model, adapter, identity, labels,
-    truncation) began."""
+    truncation) or another input (its content, format or columns) began, or that holds more
+    rows than the input has: each difference named, then and now."""
     if done.header is None:
         return
-    differing = [key for key in RESUME_KEYS if done.header.get(key) != wanted.get(key)]
+    now = json.loads(json_text(wanted))  # as the header line reads back
+    differing = [d for key in RESUME_KEYS for d in differences(done.header.get(key), now[key], key)]
     if differing:
+        began = done.header.get("input")
+        source = f"; it began from {began['path']}" if isinstance(began, dict) else ""
         raise OutputError(
-            f"{path} was scored with other {', '.join(differing)} "
-            f"({', '.join(f'{k}={done.header.get(k)!r}' for k in differing)}); "
+            f"{path} was scored with other {', '.join(name for name, _, _ in differing)} "
+            f"({'; '.join(f'{name}: {then!r} then, {now!r} now' for name, then, now in differing)})"
+            f"{source}; score into a new file, or drop --resume to overwrite it"
+        )
+    if done.rows > total:
+        raise OutputError(
+            f"{path} holds {done.rows} rows, more than the {total} of its input; "
             "score into a new file, or drop --resume to overwrite it"
         )
+
+
+def differences(then: object, now: object, name: str) -> list[tuple[str, object, object]]:
+    """Where a header's value differs from the one wanted, by dotted name (input.sha256)."""
+    if name in UNCHECKED:
+        return []
+    if isinstance(then, dict) and isinstance(now, dict):
+        keys = dict.fromkeys([*then, *now])
+        return [d for k in keys for d in differences(then.get(k), now.get(k), f"{name}.{k}")]
+    return [] if then == now else [(name, then, now)]
+
+
+def json_text(value: object, indent: int | None = None) -> str:
+    """`value` as JSON that is valid UTF-8: a lone surrogate left in it (an id or label
+    refused as such, a file name that is not UTF-8) is written as U+FFFD, so no write fails
+    and every reader (jq, pandas) takes every line."""
+    return valid_unicode(json.dumps(value, ensure_ascii=False, indent=indent))
 
 
 class Writer:
@@ -106,12 +136,14 @@ class Writer:
     def write(self, lines: list[dict[str, Any]]) -> None:
         if not lines:
             return
-        text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        text = "".join(json_text(line) + "\n" for line in lines)
         self.stream.write(text)
         self.stream.flush()
 
 
-def open_output(path: Path, resume: bool, wanted: dict[str, Any]) -> tuple[IO[str], int]:
+def open_output(
+    path: Path, resume: bool, wanted: dict[str, Any], total: int
+) -> tuple[IO[str], int]:
     """The output file ready for appending, and how many rows it holds already (0 unless
     resuming). Resuming cuts what follows the last whole row line."""
     if not resume:
@@ -119,9 +151,9 @@ def open_output(path: Path, resume: bool, wanted: dict[str, Any]) -> tuple[IO[st
         Writer(stream).write([{HEADER_KEY: wanted}])
         return stream, 0
     done = read_done(path)
-    check_resumable(path, done, wanted)
+    check_resumable(path, done, wanted, total)
     if done.header is None:
-        return open_output(path, False, wanted)
+        return open_output(path, False, wanted, total)
     with path.open("r+b") as handle:
         handle.truncate(done.valid_bytes)
     return path.open("a", encoding="utf-8"), done.rows

@@ -3,6 +3,7 @@ key. The server's refusals come back as the same codes the in-process scorer rai
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -82,7 +83,12 @@ class RemoteSource:
             body["model"] = target.model
         if target.adapter is not None:
             body["adapter"] = target.adapter
-        response = await self.client.post("/predict", json=body)
+        # Sent with JSON's ASCII escapes: httpx's own encoding (UTF-8) raises here on a lone
+        # surrogate ("\\ud800" in a JSONL input), which the server refuses as one bad text.
+        content = json.dumps(body, allow_nan=False).encode("ascii")
+        response = await self.client.post(
+            "/predict", content=content, headers={"Content-Type": "application/json"}
+        )
         if response.status_code != 200:
             raise refusal(response)
         answered_by = response.headers.get("X-Answered-By", "").split(",")

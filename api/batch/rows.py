@@ -4,11 +4,13 @@ reason it has none. A bad row is a row with an error, never a row dropped."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Format = Literal["jsonl", "csv", "tsv"]
 FORMATS: dict[str, Format] = {
@@ -22,6 +24,9 @@ FORMATS: dict[str, Format] = {
 }
 # JSONL rows may carry their text under /predict's own field name.
 JSONL_TEXT_FALLBACK = "inputs"
+# JSON may carry a lone surrogate ("\ud800"); UTF-8, so no output line, can hold one.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+DIGEST_BLOCK_BYTES = 1 << 20
 
 
 class InputError(ValueError):
@@ -77,6 +82,25 @@ def count_rows(path: Path, columns: Columns, given: Format | None = None) -> int
     return sum(1 for _ in read_rows(path, columns, given))
 
 
+def input_identity(path: Path, columns: Columns, given: Format | None = None) -> dict[str, Any]:
+    """What the output's header records of its input, for --resume to check that row n is
+    still the same row n: the format, the columns, the size and SHA-256 of the whole file
+    (a row inserted, changed or added anywhere changes them), and its path as given."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(DIGEST_BLOCK_BYTES):
+            digest.update(block)
+    named = asdict(columns)
+    named["names"] = None if columns.names is None else list(columns.names)
+    return {
+        "path": str(path),
+        "format": file_format(path, given),
+        "columns": named,
+        "bytes": path.stat().st_size,
+        "sha256": digest.hexdigest(),
+    }
+
+
 def problem_row(index: int, problem: str | None) -> Row:
     return Row(index, None, error=problem or "unreadable row")
 
@@ -92,7 +116,8 @@ def _jsonl_records(path: Path) -> Iterator[tuple[Record | None, str | None]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                yield None, f"line {number}: not JSON ({exc.msg})"
+                cut = "" if line.endswith("\n") else "; the last line, with no newline: cut?"
+                yield None, f"line {number}: not JSON ({exc.msg}){cut}"
                 continue
             if not isinstance(record, dict):
                 yield None, f"line {number}: not a JSON object"
@@ -134,7 +159,24 @@ def _row(index: int, record: Record, columns: Columns, kind: Format) -> Row:
         return Row(index, None, row_id, label, f"no {columns.text!r} in this row")
     if not isinstance(text, str):
         return Row(index, None, row_id, label, f"{columns.text!r} is not a string")
+    # Not scored: its line could not give back the id or label the file holds (a text with
+    # one is the service's to refuse, as it refuses it from any client).
+    for name, value in ((columns.id, row_id), (columns.label, label)):
+        if value is not None and has_lone_surrogate(value):
+            problem = f"{name!r} is not valid Unicode (lone surrogate, written as U+FFFD)"
+            return Row(index, None, row_id, label, problem)
     return Row(index, text, row_id, label)
+
+
+def has_lone_surrogate(value: object) -> bool:
+    """Whether a JSON value holds a lone surrogate, in a string at any depth."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return LONE_SURROGATE.search(text) is not None
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD: text UTF-8 can hold."""
+    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _label(record: Record, name: str | None) -> str | None:

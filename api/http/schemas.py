@@ -7,19 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from api.models.spec import NAME_PATTERN, SimulatedDevice
-
-
-def first_lone_surrogate(texts: list[str]) -> int | None:
-    """The index of the first text holding a lone surrogate, or None.
-
-    JSON may carry them ("\\ud800"): no tokenizer or response can encode them.
-    """
-    for index, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return index
-    return None
+from api.service.core import first_lone_surrogate
 
 
 class ClassificationParameters(BaseModel):

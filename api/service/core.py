@@ -331,8 +331,22 @@ async def hold_refusal(delay: float, deadline: float) -> None:
     await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
 
+def first_lone_surrogate(texts: list[str]) -> int | None:
+    """The index of the first text holding a lone surrogate, or None.
+
+    JSON may carry them ("\\ud800"): no tokenizer or response can encode them.
+    """
+    for index, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return index
+    return None
+
+
 def check_limits(texts: list[str], settings: Settings) -> None:
-    """Count and length limits, checked before any tokenizing."""
+    """Count, length and Unicode limits, checked before any tokenizing or cache key: every
+    door gets the same refusal (HTTP also refuses a lone surrogate as it parses the body)."""
     if len(texts) > settings.max_texts_per_request:
         raise InvalidInput(
             f"{len(texts)} texts in one request; at most {settings.max_texts_per_request}"
@@ -342,3 +356,6 @@ def check_limits(texts: list[str], settings: Settings) -> None:
             raise InvalidInput(
                 f"inputs[{index}] has {len(text)} characters; at most {settings.max_text_chars}"
             )
+    lone = first_lone_surrogate(texts)
+    if lone is not None:
+        raise InvalidInput(f"inputs[{lone}] is not valid Unicode (lone surrogate)")

@@ -40,10 +40,9 @@ from api.http.schemas import (
     OipRequestInput,
     OipServerMetadata,
     OipTensorMetadata,
-    first_lone_surrogate,
 )
 from api.service.contract import RETRY_AFTER_LOADING_SECONDS
-from api.service.core import Service
+from api.service.core import Service, first_lone_surrogate
 from api.serving.cascade import CASCADE_NAME, cascade_models
 from api.serving.errors import InvalidInput, NotFound
 
