@@ -20,6 +20,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
+from api.http.split.front_end import MODEL_SIDE_HEALTH_SECONDS
 from api.http.split.messages import (
     LENGTH,
     PROTOCOL_VERSION,
@@ -330,3 +331,25 @@ def frame_raw(items: list[object]) -> bytes:
     """A message of any items at all, framed as the split frames its own."""
     body = msgspec.msgpack.encode(items)
     return LENGTH.pack(len(body)) + body
+
+
+def test_a_wedged_model_side_fails_the_front_ends_health_within_its_bound(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP: the model side is there but answers nothing. The front end's /health, the
+    pod's liveness, fails within MODEL_SIDE_HEALTH_SECONDS; it passes again on SIGCONT."""
+    env = simulated_split_env(tmp_path, 0.0)
+    with split(tmp_path, env) as (model_side, front_end):
+        health = f"{front_end.url}/health"
+        assert httpx.get(health, timeout=30).status_code == 200
+        model_side.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            wedged = httpx.get(health, timeout=30)
+            waited = time.monotonic() - started
+        finally:
+            model_side.process.send_signal(signal.SIGCONT)
+        assert wedged.status_code == 503, wedged.text
+        assert "the model side's /health: no answer within 3 s" in wedged.json()["error"]["message"]
+        assert MODEL_SIDE_HEALTH_SECONDS <= waited < MODEL_SIDE_HEALTH_SECONDS + 2
+        assert httpx.get(health, timeout=30).status_code == 200

@@ -3,19 +3,22 @@ own, with the models' process (`loraserve` with the same SPLIT_SOCKET) behind on
 
 `/predict` is the HTTP door's own route on a RemoteService (api.http.split.remote), which
 checks this process's phase, the deadline and the limits, and has the model side's core
-classify; `/health` is this process's own; `/metrics` is the model side's, with the request
-families (counted here, where every request arrives) and this process's own process metrics;
-the ready probes are this process's while it drains, the model side's otherwise. Every other
-request is answered by the model side's app, forwarded whole.
+classify. `/health` is this process's and, when it is there, the model side's. `/metrics` is
+the model side's, with the request families (counted here, where every request arrives) and
+this process's own process metrics. The ready probes are this process's while it drains, the
+model side's otherwise. Every other request is answered by the model side's app, forwarded
+whole.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Metric, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
@@ -23,9 +26,14 @@ from prometheus_client.registry import Collector
 from api import __version__
 from api.http.errors import install_error_handlers, response_for
 from api.http.layers import install_middleware
-from api.http.routes import status, tei
+from api.http.routes import tei
 from api.http.schemas import HealthResponse
-from api.http.split.remote import ModelSideLink, RemoteService, current_request_id
+from api.http.split.remote import (
+    ModelSideLink,
+    ModelSideUnreachable,
+    RemoteService,
+    current_request_id,
+)
 from api.metrics import PREFIX, REQUEST_FAMILIES
 from api.observability import tracing
 from api.observability.request_id import HEADER
@@ -40,6 +48,9 @@ logger = logging.getLogger(__name__)
 # front end's record decides and the model side then uses.
 NOT_FORWARDED = frozenset({"host", "connection", "content-length", "transfer-encoding"})
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+# A model side that is there but has not answered its /health in this long fails the front
+# end's /health: less than a liveness probe's timeout (the Kubernetes manifest's is 5 s).
+MODEL_SIDE_HEALTH_SECONDS = 3.0
 # The readiness probes (ours, and the Open Inference Protocol's), answered by this process's
 # phase first.
 READY_PATHS = ("/ready", "/v2/health/ready", "/v2/models/{name}/ready")
@@ -87,7 +98,24 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     app.state.service = service
     install_error_handlers(app)
     app.include_router(tei.router)
-    app.add_api_route("/health", status.health, methods=["GET"], response_model=HealthResponse)
+
+    async def health(request: Request) -> Response:
+        # Alive: this process answers, and the model side too when it is there. A model side
+        # that is down is its supervisor's to restart (and /ready says so); one that is there
+        # but does not answer (stopped, wedged) fails this probe, so the pod is restarted.
+        try:
+            await asyncio.wait_for(
+                link.forward("GET", "/health", b"", [], b""), MODEL_SIDE_HEALTH_SECONDS
+            )
+        except ModelSideUnreachable:
+            pass
+        except (TimeoutError, ServiceError) as exc:
+            reason = "no answer" if isinstance(exc, TimeoutError) else exc.message
+            message = f"the model side's /health: {reason} within {MODEL_SIDE_HEALTH_SECONDS:g} s"
+            return response_for(Unavailable(message), request.url.path)
+        return JSONResponse(HealthResponse(status="ok").model_dump())
+
+    app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse)
 
     async def merged_metrics(request: Request) -> Response:
         accept = request.headers.get("accept", "")

@@ -49,6 +49,14 @@ HOP_GRACE_SECONDS = 1.0
 FORWARD_TIMEOUT_SECONDS = 60.0
 
 
+# A model side answers a front end's Hello at once; one that does not is stopped or wedged.
+HELLO_SECONDS = 5.0
+
+
+class ModelSideUnreachable(Unavailable):
+    """Nothing listens on the split's socket (the model side is down, or not started)."""
+
+
 class ModelSideLink:
     """The front end's one connection to the model side, opened on first use and again after
     a loss, with a Hello each way first. A turn's calls go out as one message; a reader task
@@ -141,11 +149,18 @@ class ModelSideLink:
                 return
             try:
                 reader, writer = await asyncio.open_unix_connection(str(self.path))
-                writer.write(framed([Hello(PROTOCOL_VERSION)]))
-                hello = await read_hello(reader)
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                raise Unavailable(
+            except OSError as exc:
+                raise ModelSideUnreachable(
                     f"the model side is not reachable: {exc}", RETRY_SOON_SECONDS
+                ) from None
+            try:
+                writer.write(framed([Hello(PROTOCOL_VERSION)]))
+                hello = await asyncio.wait_for(read_hello(reader), HELLO_SECONDS)
+            except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                writer.close()
+                reason = "no answer" if isinstance(exc, TimeoutError) else str(exc)
+                raise Unavailable(
+                    f"the model side did not greet this front end: {reason}", RETRY_SOON_SECONDS
                 ) from None
             if hello.version != PROTOCOL_VERSION:
                 writer.close()
