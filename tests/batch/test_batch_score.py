@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support.batch_cli import cli_env, command, read_jsonl, run_cli
+from tests.support.load_client import exposition_sum
 from tests.support.server_process import REPO_ROOT, run_server
 from tests.support.tiny_models import embedded_encoder_file
 
@@ -214,3 +216,36 @@ def test_url_gives_the_scores_of_the_in_process_run(
     remote_rows, local_rows = read_jsonl(remote)[1], read_jsonl(local)[1]
     assert len(remote_rows) == 65 and "no tokens" in remote_rows[64]["error"]["message"]
     assert remote_rows == local_rows
+
+
+def test_a_chunk_refused_for_its_bad_rows_is_split_not_asked_text_by_text(
+    env: dict[str, str], folder: Path, tmp_path: Path
+) -> None:
+    """64 rows in chunks of 32, one empty text in each chunk: each chunk is halved down to
+    its bad row (~2·log2(32) requests a chunk) where it was asked again a text a request (32
+    a chunk), and the answers are the in-process run's."""
+    source = sms_rows(folder, 64)
+    lines = source.read_text(encoding="utf-8").splitlines()
+    lines[5], lines[40] = "ham\t", "spam\t"  # no tokens: refused as invalid_input
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    args = ["score", source, "--columns", "label,text", "--no-cache", "--batch-size", "32"]
+    local = tmp_path / "local.jsonl"
+    assert run_cli(env, folder, *args, "-o", local).returncode == 0
+    server_env = {"MODELS_FILE": env["MODELS_FILE"], "DISK_CACHE_MAX_BYTES": "0"}
+    with run_server(server_env, tmp_path) as server:
+        server.wait_ready()
+        before = predict_requests(server.url)
+        remote = tmp_path / "remote.jsonl"
+        done = run_cli(env, folder, *args, "--url", server.url, "-o", remote)
+        asked = predict_requests(server.url) - before
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(remote)[1]
+    assert [n for n, row in enumerate(rows) if "error" in row] == [5, 40]
+    assert rows == read_jsonl(local)[1]
+    assert asked <= 2 + 2 * (2 * 5), asked  # the two chunks, then each halved 5 times
+
+
+def predict_requests(url: str) -> float:
+    """The server's count of /predict requests so far."""
+    exposition = httpx.get(f"{url}/metrics", timeout=30).text
+    return exposition_sum(exposition, "loraserve_requests_total", route="/predict")
