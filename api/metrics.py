@@ -23,7 +23,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 ADAPTER_LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ADAPTER_LOAD_RESULTS = ("loaded", "swapped", "unchanged", "reloaded", "refused")
+ADAPTER_LOAD_RESULTS = ("loaded", "swapped", "unchanged", "reloaded", "refused", "cancelled")
 # Every refused request is counted under the reason its status code stands for.
 REJECTION_REASON_BY_STATUS = {
     400: "invalid",
@@ -210,7 +210,7 @@ class Metrics:
         self.adapter_loads = Counter(
             f"{p}_adapter_loads",
             "Run-time adapter loads by result: loaded, swapped, unchanged, reloaded (after an "
-            "eviction), refused",
+            "eviction), refused, cancelled (its caller went; what it attached is detached)",
             ["model", "result"],
             registry=r,
         )

@@ -255,7 +255,16 @@ class AdapterSet:
                 identity = AnswerIdentity.with_adapter(self.served, checked.digests)
                 peft_name = f"{name}{VERSION_MARK}{self._versions}"
                 version = Version(peft_name, checked, identity, resident=True)
-                attach_seconds = await self._schedule(version, attach=True)
+                attaching = self._schedule(version, attach=True)
+                try:
+                    attach_seconds = await asyncio.shield(attaching)
+                except asyncio.CancelledError:
+                    # The caller went (its client, a front end's reconnect); the device thread
+                    # finishes the attach all the same: undone once done, so that no adapter
+                    # stays attached that nothing serves, and a retry attaches one copy.
+                    attaching.add_done_callback(lambda _: self._undo_attach(version))
+                    self._count("cancelled")
+                    raise
             except Exception as exc:
                 self._count("refused")
                 reason = str(exc) if isinstance(exc, AdapterError) else _one_line(exc)
@@ -329,7 +338,13 @@ class AdapterSet:
 
     async def close(self) -> None:
         """Waits for the attaches and detaches under way (at shutdown, batches stopped)."""
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.settled()
+
+    async def settled(self) -> None:
+        """Returns once no attach or detach is under way, those that others schedule as they
+        end included (a cancelled load's undoing)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _check_owner(self, name: str, source: Source, current: RuntimeAdapter | None) -> None:
         model = self.served.name
@@ -363,6 +378,12 @@ class AdapterSet:
         self._schedule(version, attach=True)
         self._count("reloaded")
         self._evict_over_limit()
+
+    def _undo_attach(self, version: Version) -> None:
+        """Detaches a version whose load was cancelled, once its attach has run (a failed
+        attach has removed what it added already)."""
+        if version.resident:
+            self._detach(version)
 
     def _retire(self, version: Version) -> None:
         version.retired = True

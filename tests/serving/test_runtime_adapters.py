@@ -4,6 +4,7 @@ folder, and a restart. Every answer is checked against plain transformers + peft
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,10 +16,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from api.batch.local import started_service
+from tests.support.in_process import make_settings, spec_for
 from tests.support.runtime_adapter_client import (
     ADMIN,
     ADMIN_KEY,
@@ -356,3 +360,48 @@ def test_the_documented_curl_example_runs_word_for_word(
     [model] = listed["models"]
     assert [a["name"] for a in model["adapters"]] == ["spam", "spam-v2"]
     assert unloaded["result"] == "unloaded"
+
+
+# --- a load whose caller goes ---------------------------------------------------------------
+
+
+async def test_a_cancelled_load_leaves_no_adapter_attached_and_its_retry_attaches_one(
+    tiny_bert: TinyModel,
+    weights: dict[str, Weights],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The split cancels a forward after 60 s or on a reconnect, a client may go: the device
+    thread still finishes an attach it has begun. Cancelled then, the load leaves peft's own
+    list as it was once the attach has run; the retry adds one copy."""
+    settings = make_settings(adapter_roots=[weights["v1"].folder.parent])
+    spec = spec_for(tiny_bert, adapters=("spam",), runtime_adapters=True)
+    async with started_service(settings, [spec]) as service:
+        runner = service.runners["tiny"]
+        predictor = runner.served.predictor
+        peft_names = runner.served.loaded.model.peft_config.keys
+        before = set(peft_names())
+        attaching = threading.Event()
+        attach = predictor.attach_adapter
+
+        def slow_attach(*args: Any, **kwargs: Any) -> Any:  # the real attach, begun slowly
+            attaching.set()
+            time.sleep(0.5)
+            return attach(*args, **kwargs)
+
+        monkeypatch.setattr(predictor, "attach_adapter", slow_attach)
+        load = service.load_adapter("tiny", "v1", str(weights["v1"].folder), None, False)
+        loading = asyncio.create_task(load)
+        while not attaching.is_set():
+            await asyncio.sleep(0.01)
+        loading.cancel()  # while the device thread attaches
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        await runner.adapters.settled()
+        assert set(peft_names()) == before, "a cancelled load left an adapter attached"
+        assert [a.name for a in runner.adapters.listing()] == ["spam"]
+        retry = service.load_adapter("tiny", "v1", str(weights["v1"].folder), None, False)
+        _, retried = await retry
+        await runner.adapters.settled()
+        assert retried.result == "loaded"
+        assert len(set(peft_names()) - before) == 1
