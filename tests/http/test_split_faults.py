@@ -20,6 +20,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI
 
+from api.batch.local import started_service
 from api.http.split.front_end import MODEL_SIDE_HEALTH_SECONDS
 from api.http.split.messages import (
     LENGTH,
@@ -353,3 +354,37 @@ def test_a_wedged_model_side_fails_the_front_ends_health_within_its_bound(
         assert "the model side's /health: no answer within 3 s" in wedged.json()["error"]["message"]
         assert MODEL_SIDE_HEALTH_SECONDS <= waited < MODEL_SIDE_HEALTH_SECONDS + 2
         assert httpx.get(health, timeout=30).status_code == 200
+
+
+async def test_calls_over_the_socket_meet_the_limits_http_requests_meet(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    """Whoever opens the socket skips the front end's checks: the core checks the limits
+    itself, so a call of too many texts, or of a text too long, is refused as over HTTP."""
+    path = tmp_path / "model.sock"
+    settings = make_settings(max_texts_per_request=4, max_text_chars=50)
+    async with started_service(settings, [spec_for(tiny_bert)]) as service:
+        model_side = ModelSide(FastAPI(), service, path)
+        await model_side.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            writer.write(framed([Hello(PROTOCOL_VERSION)]))
+            await read_hello(reader)
+            calls = [
+                Classify(1, "id", None, None, ["one text"] * 5, True, True, 5.0, {}),
+                Classify(2, "id", None, None, ["x" * 51], True, True, 5.0, {}),
+                Classify(3, "id", None, None, ["one text"], True, True, 5.0, {}),
+            ]
+            writer.write(framed(calls))
+            by_number: dict[int, object] = {}
+            while len(by_number) < len(calls):
+                for reply in await asyncio.wait_for(read_replies(reader), timeout=30):
+                    by_number[reply.number] = reply
+            writer.close()
+        finally:
+            await model_side.close()
+    assert by_number[1] == Refused(1, "invalid_input", "5 texts in one request; at most 4", None)
+    assert by_number[2] == Refused(
+        2, "invalid_input", "inputs[0] has 51 characters; at most 50", None
+    )
+    assert not isinstance(by_number[3], Refused)
