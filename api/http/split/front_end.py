@@ -30,7 +30,7 @@ from api.http.routes import tei
 from api.http.schemas import HealthResponse
 from api.http.split.remote import (
     ModelSideLink,
-    ModelSideUnreachable,
+    ModelSideStalled,
     RemoteService,
     current_request_id,
 )
@@ -103,16 +103,17 @@ def create_front_end_app(settings: Settings) -> FastAPI:
         # Alive: this process answers, and the model side too when it is there. A model side
         # that is down is its supervisor's to restart (and /ready says so); one that is there
         # but does not answer (stopped, wedged) fails this probe, so the pod is restarted.
+        # (Down, or of another release: /ready says so, and a restart here would not help.)
         try:
             await asyncio.wait_for(
                 link.forward("GET", "/health", b"", [], b""), MODEL_SIDE_HEALTH_SECONDS
             )
-        except ModelSideUnreachable:
-            pass
-        except (TimeoutError, ServiceError) as exc:
+        except (TimeoutError, ModelSideStalled) as exc:
             reason = "no answer" if isinstance(exc, TimeoutError) else exc.message
             message = f"the model side's /health: {reason} within {MODEL_SIDE_HEALTH_SECONDS:g} s"
             return response_for(Unavailable(message), request.url.path)
+        except ServiceError:
+            pass
         return JSONResponse(HealthResponse(status="ok").model_dump())
 
     app.add_api_route("/health", health, methods=["GET"], response_model=HealthResponse)

@@ -53,8 +53,9 @@ FORWARD_TIMEOUT_SECONDS = 60.0
 HELLO_SECONDS = 5.0
 
 
-class ModelSideUnreachable(Unavailable):
-    """Nothing listens on the split's socket (the model side is down, or not started)."""
+class ModelSideStalled(Unavailable):
+    """The model side is there but does not read (stopped, wedged): its greeting does not
+    come, or the calls waiting for it to read pass the bound."""
 
 
 class ModelSideLink:
@@ -112,7 +113,7 @@ class ModelSideLink:
         writer = self.writer
         if writer is not None and writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
             # The model side has stopped reading (stalled, stopped): no more for it to hold.
-            raise Unavailable(
+            raise ModelSideStalled(
                 "the model side is not reading its calls; try again", RETRY_SOON_SECONDS
             )
         loop = asyncio.get_running_loop()
@@ -150,17 +151,21 @@ class ModelSideLink:
             try:
                 reader, writer = await asyncio.open_unix_connection(str(self.path))
             except OSError as exc:
-                raise ModelSideUnreachable(
+                raise Unavailable(
                     f"the model side is not reachable: {exc}", RETRY_SOON_SECONDS
                 ) from None
             try:
                 writer.write(framed([Hello(PROTOCOL_VERSION)]))
                 hello = await asyncio.wait_for(read_hello(reader), HELLO_SECONDS)
-            except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            except TimeoutError:
                 writer.close()
-                reason = "no answer" if isinstance(exc, TimeoutError) else str(exc)
+                raise ModelSideStalled(
+                    "the model side did not answer this front end's greeting", RETRY_SOON_SECONDS
+                ) from None
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                writer.close()
                 raise Unavailable(
-                    f"the model side did not greet this front end: {reason}", RETRY_SOON_SECONDS
+                    f"the model side did not greet this front end: {exc}", RETRY_SOON_SECONDS
                 ) from None
             if hello.version != PROTOCOL_VERSION:
                 writer.close()
