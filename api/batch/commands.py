@@ -30,7 +30,6 @@ from api.batch.rows import (
     count_rows,
     input_identity,
     read_rows,
-    valid_unicode,
 )
 from api.batch.run import Run, Tally, score_file
 from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
@@ -38,6 +37,7 @@ from api.cpus import CpuPinningError, pin_process
 from api.models.spec import ModelsFileError, load_models_file
 from api.service.core import StartFailed
 from api.serving.cascade import CascadeError
+from api.serving.unicode import valid_unicode
 from api.settings import SettingsError, load_settings
 
 EXIT_FAILED = 1

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from api import __version__
-from api.batch.rows import Row, valid_unicode
+from api.batch.rows import Row
 from api.batch.scoring import Outcome, Servable
+from api.serving.unicode import valid_unicode
 
 HEADER_KEY = "header"
 # What must match for --resume to add to an output: the same answers to the same rows.

@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from api.serving.unicode import has_lone_surrogate
 
 Format = Literal["jsonl", "csv", "tsv"]
 FORMATS: dict[str, Format] = {
@@ -24,8 +25,6 @@ FORMATS: dict[str, Format] = {
 }
 # JSONL rows may carry their text under /predict's own field name.
 JSONL_TEXT_FALLBACK = "inputs"
-# JSON may carry a lone surrogate ("\ud800"); UTF-8, so no output line, can hold one.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 DIGEST_BLOCK_BYTES = 1 << 20
 
 
@@ -166,17 +165,6 @@ def _row(index: int, record: Record, columns: Columns, kind: Format) -> Row:
             problem = f"{name!r} is not valid Unicode (lone surrogate, written as U+FFFD)"
             return Row(index, None, row_id, label, problem)
     return Row(index, text, row_id, label)
-
-
-def has_lone_surrogate(value: object) -> bool:
-    """Whether a JSON value holds a lone surrogate, in a string at any depth."""
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    return LONE_SURROGATE.search(text) is not None
-
-
-def valid_unicode(text: str) -> str:
-    """`text` with each lone surrogate replaced by U+FFFD: text UTF-8 can hold."""
-    return LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _label(record: Record, name: str | None) -> str | None:

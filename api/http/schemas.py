@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from api.models.spec import NAME_PATTERN, SimulatedDevice
-from api.service.core import first_lone_surrogate
+from api.serving.unicode import first_lone_surrogate
 
 
 class ClassificationParameters(BaseModel):

@@ -44,6 +44,7 @@ from api.serving.errors import (
     ServiceError,
 )
 from api.serving.heap import ServingHeap
+from api.serving.unicode import first_lone_surrogate
 from api.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -329,19 +330,6 @@ async def hold_refusal(delay: float, deadline: float) -> None:
     their speed. Held, each client costs one refusal per `delay`.
     """
     await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-
-
-def first_lone_surrogate(texts: list[str]) -> int | None:
-    """The index of the first text holding a lone surrogate, or None.
-
-    JSON may carry them ("\\ud800"): no tokenizer or response can encode them.
-    """
-    for index, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return index
-    return None
 
 
 def check_limits(texts: list[str], settings: Settings) -> None:

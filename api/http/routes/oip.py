@@ -42,9 +42,10 @@ from api.http.schemas import (
     OipTensorMetadata,
 )
 from api.service.contract import RETRY_AFTER_LOADING_SECONDS
-from api.service.core import Service, first_lone_surrogate
+from api.service.core import Service
 from api.serving.cascade import CASCADE_NAME, cascade_models
 from api.serving.errors import InvalidInput, NotFound
+from api.serving.unicode import first_lone_surrogate
 
 INPUT = "input-0"
 CLASS_OUTPUT = "output-0"  # KServe's Hugging Face runtime's name for the class indices
