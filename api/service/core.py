@@ -190,7 +190,8 @@ class Service(Lifecycle):
         check_limits(request.texts, self.settings)
         cache = self.cache if request.use_cache else None
         texts, truncate = request.texts, request.truncate
-        if request.model == CASCADE_NAME:
+        is_cascade = request.model == CASCADE_NAME
+        if is_cascade:
             cascade = self.pick_cascade(request.adapter)
             labels = cascade.first.served.loaded.labels
             work = cascade.classify(texts, truncate, cache, deadline)
@@ -214,8 +215,7 @@ class Service(Lifecycle):
             metrics.labelled(metrics.predictions, name, chosen).inc(answered_by.count(name))
         tiers = DEFAULT_TIER_NAMES if self.cache is None else self.cache.tier_names
         record.note_cache(result.tiers, tiers)
-        cascade_answer = request.model == CASCADE_NAME
-        return Answer(result, answered_by, labels, adapter, cascade_answer, tiers)
+        return Answer(result, answered_by, labels, adapter, is_cascade, tiers)
 
     def pick_runner(self, model: str | None, adapter: str | None) -> tuple[ModelRunner, str | None]:
         """The named model's runner (None: the first) and the adapter a request gets."""

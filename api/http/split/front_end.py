@@ -100,10 +100,10 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     app.include_router(tei.router)
 
     async def health(request: Request) -> Response:
-        # Alive: this process answers, and the model side too when it is there. A model side
-        # that is down is its supervisor's to restart (and /ready says so); one that is there
-        # but does not answer (stopped, wedged) fails this probe, so the pod is restarted.
-        # (Down, or of another release: /ready says so, and a restart here would not help.)
+        # Alive: this process answers, and the model side too when it is there. One that is
+        # there but does not answer (stopped, wedged) fails this probe, so the pod restarts;
+        # one that is down or of another release does not: /ready says so, and restarting
+        # this process would not help.
         try:
             await asyncio.wait_for(
                 link.forward("GET", "/health", b"", [], b""), MODEL_SIDE_HEALTH_SECONDS

@@ -119,7 +119,8 @@ class ModelSide:
             while True:
                 for call in await read_calls(reader):
                     if isinstance(call, Unreadable):
-                        told = self._refuse_unreadable(call, replies, told)
+                        self._refuse_unreadable(call, replies, log=not told)
+                        told = True
                     else:
                         self._take(call, running, replies)
                 await writer.drain()
@@ -133,10 +134,10 @@ class ModelSide:
             writer.close()
             self.connections.discard(connection)
 
-    def _refuse_unreadable(self, call: Unreadable, replies: PerTurn[Reply], told: bool) -> bool:
+    def _refuse_unreadable(self, call: Unreadable, replies: PerTurn[Reply], log: bool) -> None:
         """An unreadable call answered at once by its number (lost with none: the front end
-        times it out); logged the first time on a connection. True once logged."""
-        if not told:
+        times it out); logged when `log` (the first on a connection)."""
+        if log:
             logger.error(
                 "a front end sent a call this model side cannot read (a release apart, or a "
                 "broken message): %s; it is refused, and so is every such call",
@@ -145,7 +146,6 @@ class ModelSide:
         if call.number is not None:
             message = f"the model side could not read the call: {call.reason}"
             replies.add(Refused(call.number, "internal_error", message, None))
-        return True
 
     def _take(
         self, call: Call, running: dict[int, asyncio.Task[None]], replies: PerTurn[Reply]

@@ -47,8 +47,6 @@ HOP_GRACE_SECONDS = 1.0
 # A forwarded request's wait: the model side's other routes answer at once, or load an
 # adapter (seconds); past this the model side is taken to be stuck (504).
 FORWARD_TIMEOUT_SECONDS = 60.0
-
-
 # A model side answers a front end's Hello at once; one that does not is stopped or wedged.
 HELLO_SECONDS = 5.0
 
