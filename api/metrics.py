@@ -181,8 +181,9 @@ class Metrics:
         self.cache_rejected = Counter(
             f"{p}_cache_rejected",
             "Cache values read but not served, computed again and overwritten: format (not a "
-            "value this service writes, a pickle included), mac (not written with "
-            "REDIS_CACHE_SECRET for this key), labels, non_finite, range, softmax (not an "
+            "value this service writes, a pickle included), mac (not written with the "
+            "tier's secret for this key: REDIS_CACHE_SECRET, or the disk tier's), labels, "
+            "non_finite, range, softmax (not an "
             "answer of the model it was read for)",
             ["tier", "reason"],
             registry=r,

@@ -250,6 +250,22 @@ class Settings(BaseSettings):
         "time this process stores it (a one-off text is never written, and most of a "
         "spam filter's texts come once; a restart forgets what was seen once), or `every` one.",
     )
+    disk_cache_secret: SecretStr | None = Field(
+        None,
+        min_length=16,
+        description="Key the disk tier signs its values with (16+ characters; e.g. `openssl "
+        "rand -hex 32`): each value carries an HMAC over its key and itself, and a value "
+        "without a valid one is a miss, so whoever can write DISK_CACHE_DIR cannot choose "
+        "answers. Unset: the key in DISK_CACHE_SECRET_FILE.",
+    )
+    disk_cache_secret_file: Path | None = Field(
+        None,
+        description="The disk tier's key when DISK_CACHE_SECRET is unset: made once (random, "
+        "mode 0600), read at every start; the tier is off if the file is another user's or "
+        "others can read it. Outside DISK_CACHE_DIR; unset: `<DISK_CACHE_DIR>.key`, beside "
+        "the folder. Replicas that share the folder need the same key: this file, or its "
+        "text as DISK_CACHE_SECRET.",
+    )
 
     # --- shared cache tier (Redis), after the LRU and the disk ---
     redis_url: str | None = Field(
@@ -425,6 +441,19 @@ class Settings(BaseSettings):
                 "would choose every replica's answers. Set REDIS_CACHE_SECRET to a secret the "
                 "replicas share (e.g. `openssl rand -hex 32`), or REDIS_TRUSTED_NETWORK=true "
                 "if only the replicas can reach that Redis"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _disk_key_outside_the_folder(self) -> Settings:
+        key_file = self.disk_cache_secret_file
+        if key_file is not None and key_file.resolve().is_relative_to(
+            self.disk_cache_dir.resolve()
+        ):
+            raise ValueError(
+                "DISK_CACHE_SECRET_FILE lies inside DISK_CACHE_DIR: whoever can write that "
+                "folder could replace the key and choose the answers the disk tier serves. Put "
+                "it elsewhere (unset, it is <DISK_CACHE_DIR>.key, beside the folder)"
             )
         return self
 

@@ -11,7 +11,8 @@ service's keys (sha256 hex):
 - **writes**: `entries` answers in transactions of TRANSACTION (a turn's worth under load):
   the tier's `_write` (one statement a transaction, then its `cull`, as its writer thread runs
   them) against diskcache's `set` of each entry inside one `transact()`, through the same
-  text-only serializer (two statements an entry, and diskcache's own cull);
+  text-only serializer (two statements an entry, and diskcache's own cull); each way signs
+  each value (`value_text`, the HMAC over key and value);
 - **reads**: those keys and as many never stored (a fresh text misses), TRANSACTION keys a
   read: the tier's `_rows` (one query, as a turn of the event loop reads) against
   diskcache's `get` a key.
@@ -52,6 +53,7 @@ from bench.harness import (
 TRANSACTION = 64
 MAX_BYTES = 2**30  # the service's default DISK_CACHE_MAX_BYTES: nothing is evicted here
 ANSWER = ((0.25, 0.75), (-0.5493061443340549, 0.5493061443340549))
+SECRET = b"the bench's disk cache secret"  # both ways write the same signed rows
 LOAD_WAIT_SECONDS = 600
 
 
@@ -75,9 +77,8 @@ def one_round(entries: int, name: str) -> dict[str, float]:
     stored = keys(f"{name}.stored", entries)
     fresh = keys(f"{name}.fresh", entries)
     asked = [key for pair in zip(stored, fresh, strict=True) for key in pair]
-    text = value_text(ANSWER)
     with tempfile.TemporaryDirectory() as folder:
-        tier = DiskTier(Path(folder, "tier"), MAX_BYTES, None, Metrics(2.0))
+        tier = DiskTier(Path(folder, "tier"), MAX_BYTES, None, Metrics(2.0), secret=SECRET)
         plain = diskcache.Cache(
             str(Path(folder, "diskcache")),
             disk=TextOnlyDisk,
@@ -88,7 +89,7 @@ def one_round(entries: int, name: str) -> dict[str, float]:
         def diskcache_write(group: list[str]) -> None:
             with plain.transact():
                 for key in group:
-                    plain.set(key, text)
+                    plain.set(key, value_text(ANSWER, key, SECRET))
 
         figures = {
             "write_tier_us": cpu_us_a_text(
@@ -100,19 +101,17 @@ def one_round(entries: int, name: str) -> dict[str, float]:
                 lambda group: [plain.get(key) for key in group], chunks(asked)
             ),
         }
-        check_same_rows(Path(folder, "tier"), plain, stored[:: max(1, entries // 100)], text)
+        check_same_rows(Path(folder, "tier"), plain, stored[:: max(1, entries // 100)])
         asyncio.run(tier.close())
         plain.close()
     return {key: round(value, 2) for key, value in figures.items()}
 
 
-def check_same_rows(
-    tier_folder: Path, plain: diskcache.Cache, sample: list[str], text: str
-) -> None:
+def check_same_rows(tier_folder: Path, plain: diskcache.Cache, sample: list[str]) -> None:
     """diskcache reads back the same text from both ways' tables."""
     with diskcache.Cache(str(tier_folder), disk=TextOnlyDisk) as written:
         for key in sample:
-            if not written.get(key) == plain.get(key) == text:
+            if not written.get(key) == plain.get(key) == value_text(ANSWER, key, SECRET):
                 raise AssertionError(f"the two ways stored different rows for {key}")
 
 

@@ -167,6 +167,13 @@ def test_probes_grace_period_ports_and_volumes_match_the_service(
     assert settings.hf_home is not None and settings.model_cache_dir is not None
     assert {str(settings.hf_home), str(settings.model_cache_dir)} <= mounts
     assert str(settings.disk_cache_dir) in mounts
+    # The disk tier's key: outside its folder, on a volume of the pod's own as the folder is,
+    # so a restarted container reads the key its entries were signed with.
+    key_file = settings.disk_cache_secret_file
+    assert key_file is not None and not key_file.is_relative_to(settings.disk_cache_dir)
+    volume = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    [key_volume] = [v for v in pod["spec"]["volumes"] if v["name"] == volume[str(key_file.parent)]]
+    assert "emptyDir" in key_volume
 
     requests = container["resources"]["requests"]
     assert settings.torch_num_threads == quantity(requests["cpu"])

@@ -631,7 +631,8 @@ def test_disk_cache_faults_are_answered_from_the_model_and_counted(
             def cached(text: str) -> bool:
                 return predict(text).headers["X-Cache"] == "lru=0,disk=1,model=0"
 
-            # A corrupt entry (written by another process while the server runs).
+            # A corrupt entry (written by another process while the server runs, without the
+            # HMAC every value carries).
             first = predict("win a free prize now")
             wait_for(lambda: cached("win a free prize now"), 10, "the disk tier answers")
             with diskcache.Cache(str(cache_dir)) as raw:
@@ -642,7 +643,7 @@ def test_disk_cache_faults_are_answered_from_the_model_and_counted(
             assert again.json() == first.json()
             assert errors("read") == 0  # a value that is not an answer is no fault: rejected
             rejected = metric(
-                server.url, "loraserve_cache_rejected_total", tier="disk", reason="format"
+                server.url, "loraserve_cache_rejected_total", tier="disk", reason="mac"
             )
             assert rejected == 1
 

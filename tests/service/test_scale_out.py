@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -124,6 +124,16 @@ def test_compose_profile_scale_runs_replicas_behind_haproxy_with_redis(tmp_path:
     assert replica["deploy"]["replicas"] == 3 and not replica.get("ports")
     assert replica["environment"]["REDIS_URL"] == "redis://:@redis:6379/0"  # no password yet
     assert replica["environment"]["PORT"] == api["environment"]["PORT"] == "8000"
+    # They share the disk tier's folder and its key, which lies outside the folder on a
+    # volume that every container mounts and that outlives them.
+    key_file = PurePosixPath(replica["environment"]["DISK_CACHE_SECRET_FILE"])
+    folder = PurePosixPath(replica["environment"]["DISK_CACHE_DIR"])
+    for name in ("DISK_CACHE_DIR", "DISK_CACHE_SECRET_FILE"):
+        assert replica["environment"][name] == api["environment"][name]
+    assert not key_file.is_relative_to(folder)
+    for service in (api, replica):
+        volumes = {PurePosixPath(v["target"]): v for v in service["volumes"]}
+        assert volumes[folder]["type"] == volumes[key_file.parent]["type"] == "volume"
     # Replicas on one host split its cores rather than each spinning a team of all of them.
     assert replica["environment"]["TORCH_NUM_THREADS"] == "1"
     assert "TORCH_NUM_THREADS" not in api["environment"]

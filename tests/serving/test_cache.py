@@ -25,6 +25,7 @@ from api.serving.cache import ResultCache, disk
 from api.serving.cache.disk import DiskTier
 from api.serving.cache.entry import Entry
 from api.serving.cache.lru import LruTier
+from api.serving.cache.signing import default_key_file, load_key
 from api.serving.cache.text_disk import TextOnlyDisk
 from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape, Rejected
 from tests.support.in_process import make_settings, spec_for
@@ -113,13 +114,13 @@ def test_corrupt_disk_entry_is_served_from_the_model_and_counted(
         good = client.post("/predict", json=TEXT).json()
     with diskcache.Cache(str(tmp_path / "cache")) as raw:
         (key,) = list(raw)
-        raw.set(key, "{not json")
+        raw.set(key, "{not json")  # without the HMAC that every value carries: "mac"
     with serving(tiny_bert, tmp_path / "cache") as client:
         response = client.post("/predict", json=TEXT)
         metrics = client.get("/metrics").text
     assert response.status_code == 200 and response.json() == good
     assert response.headers["X-Cache"] == "lru=0,disk=0,model=1"
-    assert 'loraserve_cache_rejected_total{reason="format",tier="disk"} 1.0' in metrics
+    assert 'loraserve_cache_rejected_total{reason="mac",tier="disk"} 1.0' in metrics
     assert "loraserve_cache_errors_total{" not in metrics  # a bad value is no fault
 
 
@@ -207,7 +208,8 @@ async def test_disk_reads_agree_with_diskcaches_own_get(tmp_path: Path) -> None:
                 raw = reference.get(key)
             except Rejected:
                 raw = None  # a refusal is a miss to the caller, counted as rejected
-            expected.append(None if raw is None else tuple(map(tuple, json.loads(raw))))
+            body = None if raw is None else json.loads(raw[disk.MAC_CHARS :])
+            expected.append(None if body is None else tuple(map(tuple, body)))
     assert found == expected == [stored, None, None, None, other]
     rejected = metrics.cache_rejected.labels("disk", "format")._value.get()
     assert rejected == 1
@@ -240,9 +242,8 @@ async def test_disk_writes_are_what_diskcaches_own_get_reads(tmp_path: Path) -> 
         removed = reference.expire()
         left = len(reference)
     written = {"a": first, "b": second, "held a pickle": second, "c": second, "expires": first}
-    assert {key: json.loads(value) for key, value in read.items()} == {
-        key: json.loads(json.dumps(entry)) for key, entry in written.items()
-    }
+    secret = load_key(default_key_file(folder))  # the tiers' key, made beside the folder
+    assert read == {key: disk.value_text(entry, key, secret) for key, entry in written.items()}
     assert (counted, expired, removed, left) == (5, None, 1, 4)
 
 
@@ -417,5 +418,5 @@ async def test_every_rejection_series_of_each_tier_is_there_from_the_start(
     finally:
         await cache.close()
     expected = {("lru", reason) for reason in NOT_AN_ANSWER}
-    expected |= {("disk", reason) for reason in ("format", *NOT_AN_ANSWER)}
+    expected |= {("disk", reason) for reason in ("format", "mac", *NOT_AN_ANSWER)}
     assert exported == dict.fromkeys(expected, 0.0)

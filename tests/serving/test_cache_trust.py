@@ -1,14 +1,16 @@
 """What a cache tier holds is not trusted: a shared Redis and a shared disk folder can be
 written by others. On the real servers, a real redis-server and the real diskcache folder:
 values that are garbage, swapped between texts, of another label count or not a softmax are
-misses, computed again, overwritten and counted; a pickled disk row is never unpickled; and
-a Redis without REDIS_CACHE_SECRET is refused at start unless the network is declared trusted.
+misses, computed again, overwritten and counted; a pickled disk row is never unpickled, and
+one written without the disk tier's secret is never served; and a Redis without
+REDIS_CACHE_SECRET is refused at start unless the network is declared trusted.
 The check itself never rejects a genuine answer of the real tiny models (hypothesis)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import random
 import sqlite3
@@ -238,6 +240,73 @@ def test_a_pickled_disk_row_is_never_unpickled_nor_its_file_deleted(
     assert [a.headers["X-Cache"] for a in answers] == ["lru=0,disk=0,model=1"] * 2
     assert [a.json() for a in answers] == [computed.json()] * 2 == [reference] * 2
     assert rejected == 2
+
+
+def disk_rows(folder: Path) -> list[tuple[str, str]]:
+    """The disk tier's rows, each key and value, read from sqlite directly."""
+    with sqlite3.connect(folder / "cache.db") as database:
+        return list(database.execute("SELECT key, value FROM Cache"))
+
+
+def disk_value(key: str, body: str, secret: bytes) -> str:
+    """A disk row's value by the documented layout: HMAC-SHA256 (in hex) over the key's
+    length, the key and the body, then the body (the entry as JSON text)."""
+    signed = struct.pack("<I", len(key)) + key.encode() + body.encode()
+    return hmac.new(secret, signed, hashlib.sha256).hexdigest() + body
+
+
+def test_a_disk_row_written_without_the_secret_is_refused_and_counted(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    """Whoever can write the folder, but not read the key kept beside it, plants a
+    well-formed answer of its choosing for a text: the other label's (a true softmax of the
+    logits, the right label count), as a value of the format before values were signed, as
+    one signed with another secret, and behind the genuine value's HMAC. None is served."""
+    folder = tmp_path / "disk"
+    env = {
+        "MODELS_FILE": str(tiny_models_file(tmp_path, tiny_bert, adapters=("spam",))),
+        "DISK_CACHE_DIR": str(folder),
+        "DISK_CACHE_ADMISSION": "every",  # the first answer on disk
+        "LRU_CACHE_ENTRIES": "0",  # every read goes to the disk tier
+    }
+    with run_server(env, tmp_path) as server:
+        server.wait_ready()
+        computed = predict(server.url, TEXTS[0])
+        wait_for(lambda: len(disk_rows(folder)) == 1, 10, "the answer on disk")
+        [(key, genuine)] = disk_rows(folder)
+        signature, body = genuine[: genuine.index("[")], genuine[genuine.index("[") :]
+        probabilities, logits = json.loads(body)
+        flipped = (tuple(probabilities[::-1]), tuple(logits[::-1]))  # the other label wins
+        chosen = json.dumps(flipped)
+        planted = {
+            "unsigned": chosen,
+            "another secret": disk_value(key, chosen, b"a secret the service never had"),
+            "the genuine HMAC": signature + chosen,
+        }
+        answers: dict[str, httpx.Response] = {}
+        for name, value in planted.items():
+            with diskcache.Cache(str(folder)) as attacker:  # diskcache's own writes
+                attacker.set(key, value)
+            answers[name] = predict(server.url, TEXTS[0])
+            # Answered by the model, whose answer the tier then writes over the planted row.
+            assert answers[name].headers["X-Cache"] == "lru=0,disk=0,model=1", name
+            wait_for(lambda: disk_rows(folder) == [(key, genuine)], 10, "the row overwritten")
+        disk_again = predict(server.url, TEXTS[0])
+
+        def rejected(reason: str) -> float:
+            return metric(server.url, "loraserve_cache_rejected_total", tier="disk", reason=reason)
+
+        counts = {reason: rejected(reason) for reason in ("format", "mac", "labels", "softmax")}
+    assert rejection(flipped, AnswerShape(len(LABELS))) is None  # an answer the model could give
+    assert flipped != (tuple(probabilities), tuple(logits))
+    assert {name: a.status_code for name, a in answers.items()} == dict.fromkeys(planted, 200)
+    assert {name: a.json() for name, a in answers.items()} == dict.fromkeys(
+        planted, computed.json()
+    )
+    assert counts == {"format": 0, "mac": 3, "labels": 0, "softmax": 0}
+    # Overwritten with the service's own value, which it serves again.
+    assert disk_again.headers["X-Cache"] == "lru=0,disk=1,model=0"
+    assert disk_again.json() == computed.json()
 
 
 # --- the check alone: genuine answers always pass, others never ---

@@ -4,6 +4,7 @@ it; writes in a thread, one statement for what gathers meanwhile; diskcache evic
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import sqlite3
@@ -22,6 +23,7 @@ from diskcache.core import DBNAME, MODE_RAW
 from api.metrics import Metrics
 from api.serving.cache.doorkeeper import Doorkeeper
 from api.serving.cache.entry import Entry
+from api.serving.cache.signing import MAC_BYTES, default_key_file, load_key, mac
 from api.serving.cache.text_disk import TextOnlyDisk, text_value
 from api.serving.cache.tier import screened
 from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape, Rejected
@@ -65,6 +67,10 @@ WRITE_QUERY = (
     " tag = NULL, size = 0, mode = excluded.mode, filename = NULL, value = excluded.value"
 )
 
+# A row's value: the HMAC (signing.mac) over the row's key and the rest, in hex since a
+# row's value is text (TextOnlyDisk), then the entry as JSON text (`value_text`).
+MAC_CHARS = 2 * MAC_BYTES
+
 # Per key read, its entry, the refusal of what was there, or None (a miss).
 Found = list[Entry | Rejected | None]
 
@@ -80,13 +86,17 @@ class DiskTier:
     folder may be shared, and a pickle from it could run code. The tier reads and writes rows
     itself (READ_QUERY, WRITE_QUERY) and refuses any row it could not have written
     (text_value); TextOnlyDisk, diskcache's serializer here, never deletes the file a row names
-    when diskcache evicts the row. A value that is not an answer is a miss, counted as
-    rejected; any fault is a miss, counted. With a `doorkeeper`, only the answers it admits
-    are written (a key's from its second store on); the others are counted as not admitted.
+    when diskcache evicts the row. Every value carries an HMAC over its key and itself with
+    `secret` (else the key kept in `key_file`, by default beside the folder: whoever can
+    write the folder must not choose the answers it holds); one without a valid HMAC (forged,
+    moved to another key, or written before values were signed) is a miss, counted as
+    rejected ("mac"), and so is a value that is not an answer; any fault is a miss, counted.
+    With a `doorkeeper`, only the answers it admits are written (a key's from its second store
+    on); the others are counted as not admitted.
     """
 
     name = "disk"
-    rejects: tuple[str, ...] = ("format", *NOT_AN_ANSWER)
+    rejects: tuple[str, ...] = ("format", "mac", *NOT_AN_ANSWER)
 
     def __init__(
         self,
@@ -95,6 +105,9 @@ class DiskTier:
         ttl_seconds: float | None,
         metrics: Metrics,
         doorkeeper: Doorkeeper | None = None,
+        *,
+        secret: bytes | None = None,
+        key_file: Path | None = None,
     ) -> None:
         self.ttl_seconds = ttl_seconds
         self.metrics = metrics
@@ -111,6 +124,13 @@ class DiskTier:
             # diskcache culls only in `cull`, which `_write` calls once a transaction.
             cull_limit=0,
         )
+        if secret is None:  # after the folder is made: the default key file is in its parent
+            try:
+                secret = load_key(default_key_file(folder) if key_file is None else key_file)
+            except BaseException:
+                self._cache.close()
+                raise
+        self._secret = secret
         # Writes go to their own thread: an fsync must not stall the event loop. What
         # requests store while a transaction commits waits in the backlog and goes into the
         # next one: under load one commit serves many requests, not one each.
@@ -134,11 +154,25 @@ class DiskTier:
         ttl_seconds: float | None,
         metrics: Metrics,
         doorkeeper: Doorkeeper | None = None,
+        *,
+        secret: bytes | None = None,
+        key_file: Path | None = None,
     ) -> DiskTier | None:
-        """The tier, or None (counted) when the folder cannot hold a cache."""
+        """The tier, or None (counted) when the folder cannot hold a cache or the key file
+        cannot be made or trusted."""
         try:
-            return cls(folder, max_bytes, ttl_seconds, metrics, doorkeeper)
-        except Exception as exc:  # unwritable folder, full disk, bad database
+            return cls(
+                folder,
+                max_bytes,
+                ttl_seconds,
+                metrics,
+                doorkeeper,
+                secret=secret,
+                key_file=key_file,
+            )
+        # An unwritable folder, a full disk, a bad database; a key file of another user's or
+        # that others can read: then nothing is served from the folder.
+        except Exception as exc:
             logger.warning("disk cache off: cannot open %s: %s", folder, exc)
             metrics.cache_errors.labels("disk", "open").inc()
             return None
@@ -164,7 +198,8 @@ class DiskTier:
             return
         for read in reads:
             if not read.found.done():  # done: its request was cancelled meanwhile
-                read.found.set_result(([_entry(rows.get(key)) for key in read.keys], 0))
+                found = [_entry(key, rows.get(key), self._secret) for key in read.keys]
+                read.found.set_result((found, 0))
 
     def _rows(self, keys: list[str]) -> dict[str, tuple[int, Any]]:
         """Per key found and not expired, its row's mode and value."""
@@ -231,7 +266,7 @@ class DiskTier:
         and the least recently stored entries past the size limit, are removed."""
         now = time.time()
         # A key stored twice since the last commit keeps its latest entry, as in diskcache.
-        values = {key: value_text(entry) for key, entry in pending}
+        values = {key: value_text(entry, key, self._secret) for key, entry in pending}
         parameters = {
             "now": now,
             "expire": None if self.ttl_seconds is None else now + self.ttl_seconds,
@@ -269,19 +304,31 @@ class DiskTier:
         self._cache.close()
 
 
-def value_text(entry: Entry) -> str:
-    """The text a row keeps for an entry: its probabilities and logits, a JSON array of two
-    arrays. orjson, not json: the writer holds the GIL while it writes them (the event loop
-    waits), and the standard library writes floats much slower."""
-    return orjson.dumps(entry).decode()
+def value_text(entry: Entry, key: str, secret: bytes) -> str:
+    """The text the row of `key` keeps for an entry: the HMAC (MAC_CHARS hex digits), then its
+    probabilities and logits, a JSON array of two arrays. orjson, not json: the writer holds
+    the GIL while it writes them (the event loop waits), and the standard library writes
+    floats much slower."""
+    body = orjson.dumps(entry)
+    return mac(secret, key, body).hex() + body.decode()
 
 
-def _entry(row: tuple[int, Any] | None) -> Entry | Rejected | None:
-    """The entry a row holds, its refusal, or None for no row."""
+def _entry(key: str, row: tuple[int, Any] | None, secret: bytes) -> Entry | Rejected | None:
+    """The entry the row of `key` holds, its refusal, or None for no row. The HMAC is checked
+    before anything else of the value is read: what was not written with the secret for
+    this key is never parsed."""
     if row is None:
         return None
     try:
-        return _decode(text_value(*row))
+        text = text_value(*row)
+        body = text[MAC_CHARS:]
+        try:
+            signature = bytes.fromhex(text[:MAC_CHARS])
+        except ValueError:  # not hex: no HMAC this tier writes
+            signature = b""
+        if not hmac.compare_digest(signature, mac(secret, key, body.encode())):
+            raise Rejected("mac", "value not written with the disk tier's secret for this key")
+        return _decode(body)
     except Rejected as rejected:
         return rejected
 

@@ -4,7 +4,6 @@ within REDIS_TIMEOUT_SECONDS, counted, and tried again with backoff (a circuit b
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 import struct
@@ -19,6 +18,7 @@ from redis.retry import Retry
 from api.metrics import Metrics
 from api.serving.cache.breaker import Breaker
 from api.serving.cache.entry import Entry, is_finite
+from api.serving.cache.signing import MAC_BYTES, mac
 from api.serving.cache.tier import screened
 from api.serving.cache.verify import NOT_AN_ANSWER, AnswerShape, Rejected
 
@@ -32,19 +32,8 @@ logger = logging.getLogger(__name__)
 # values.
 FORMAT_VERSION = 2
 _HEAD = struct.Struct("<BH")
-_KEY_LENGTH = struct.Struct("<I")
-MAC_BYTES = hashlib.sha256().digest_size
 FAULTS = (RedisError, OSError, asyncio.TimeoutError)
 Result = TypeVar("Result")
-
-
-def mac(secret: bytes, key: str, body: bytes) -> bytes:
-    """HMAC-SHA256 of the Redis key (its length first, so key and body cannot trade bytes)
-    and the value's body: a value copied to another key, or forged without the secret,
-    does not carry it."""
-    encoded = key.encode()
-    message = _KEY_LENGTH.pack(len(encoded)) + encoded + body
-    return hmac.new(secret, message, hashlib.sha256).digest()
 
 
 def encode(entry: Entry, key: str, secret: bytes | None) -> bytes:

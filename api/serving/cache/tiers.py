@@ -54,12 +54,15 @@ class ResultCache:
         if settings.lru_cache_entries > 0:
             tiers.append(LruTier(settings.lru_cache_entries, metrics))
         if settings.disk_cache_max_bytes > 0:
+            disk_secret = settings.disk_cache_secret
             disk = DiskTier.open(
                 settings.disk_cache_dir,
                 settings.disk_cache_max_bytes,
                 settings.disk_cache_ttl_seconds,
                 metrics,
                 Doorkeeper() if settings.disk_cache_admission == "repeated" else None,
+                secret=None if disk_secret is None else disk_secret.get_secret_value().encode(),
+                key_file=settings.disk_cache_secret_file,
             )
             if disk is not None:
                 tiers.append(disk)
