@@ -8,7 +8,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from itertools import islice
 from pathlib import Path
@@ -16,12 +16,18 @@ from typing import IO, Any
 
 import httpx
 
-from api.batch.evaluation import Judged, disagreements, evaluate
+from api.batch.evaluation import Judgements, disagreeing_rows, disagreements, evaluate
 from api.batch.local import local_service
-from api.batch.output import OutputError, Writer, header, json_text, open_output
+from api.batch.output import OutputError, Writer, header, open_output, write_json
 from api.batch.progress import Progress
 from api.batch.remote import remote_service
-from api.batch.report import can_plot, draw_plots, markdown, terminal_table
+from api.batch.report import (
+    DISAGREEMENTS_SHOWN,
+    can_plot,
+    draw_plots,
+    markdown,
+    terminal_table,
+)
 from api.batch.rows import (
     Columns,
     Format,
@@ -32,7 +38,7 @@ from api.batch.rows import (
     read_rows,
 )
 from api.batch.run import Run, Tally, score_file
-from api.batch.scoring import Outcome, Refused, ScoringFailed, Source, Target
+from api.batch.scoring import Refused, ScoringFailed, Source, Target
 from api.cpus import CpuPinningError, pin_process
 from api.models.spec import ModelsFileError, load_models_file
 from api.service.core import StartFailed
@@ -261,14 +267,15 @@ async def run_evaluate(args: argparse.Namespace) -> int:
     targets = [Target(args.model), *(Target(args.model, a) for a in args.adapter)]
     if args.cascade:
         targets = [Target(), Target(cascade=True)]
-    judged_by: dict[str, list[Judged]] = {}
+    judged_by: dict[str, Judgements] = {}
     reports = []
     async with service(args) as source:
         for target in targets:
             servable = await source.describe(target)
             if servable.column in judged_by:
                 continue  # the default named again
-            kept: list[tuple[Row, Outcome | None]] = []
+            # The predicted label's score is the disagreements' only: kept when they can be.
+            judged = Judgements(servable.labels, compared=len(targets) > 1)
             scored = None
             if args.report is not None:
                 scored = (args.report / f"scores-{len(judged_by)}.jsonl").open(
@@ -281,29 +288,39 @@ async def run_evaluate(args: argparse.Namespace) -> int:
                 progress = None if args.quiet else Progress(total)
                 run = Run(source, target, args.truncate, args.batch_size)
                 rows = read_rows(args.file, columns, fmt)
-                await score_file(run, rows, writer, progress, expected, kept)
+                await score_file(run, rows, writer, progress, expected, judged.add)
                 if progress is not None:
                     progress.finish()
             finally:
                 if scored is not None:
                     scored.close()
-            judged = [Judged(r.index, r.id, expected(r), o) for r, o in kept]
             judged_by[servable.column] = judged
             reports.append(evaluate(servable, judged, args.cost_fp, args.cost_fn))
             labels = servable.labels
-    disagreeing = disagreements(judged_by) if len(judged_by) > 1 else []
-    print(terminal_table(reports, len(disagreeing)))
-    result: dict[str, Any] = {
-        "input": str(args.file),
-        "servables": reports,
-        "disagreements": disagreeing,
-    }
+    apart = disagreeing_rows(judged_by) if len(judged_by) > 1 else []
+    print(terminal_table(reports, len(apart)))
+    found = disagreements(judged_by, apart, read_rows(args.file, columns, fmt), expected)
+    shown: list[dict[str, Any]] = []  # the first ones, for the markdown report
     if args.json is not None:
-        args.json.write_text(json_text(result, indent=2) + "\n", "utf-8")
+        with args.json.open("w", encoding="utf-8") as stream:
+            result = {"input": str(args.file), "servables": reports}
+            write_json(stream, result, "disagreements", first_kept(found, shown))
+    elif args.report is not None:
+        shown = list(islice(found, DISAGREEMENTS_SHOWN))
     if args.report is not None:
         plots = draw_plots(args.report, judged_by, labels)
-        text = markdown(reports, disagreeing, args.file.name, plots)
+        text = markdown(reports, shown, len(apart), args.file.name, plots)
         (args.report / "report.md").write_text(valid_unicode(text), encoding="utf-8")
         if not can_plot():
             print("loraserve: no plots: matplotlib is not installed", file=sys.stderr)
     return 0
+
+
+def first_kept(
+    items: Iterable[dict[str, Any]], kept: list[dict[str, Any]]
+) -> Iterator[dict[str, Any]]:
+    """`items`, the first DISAGREEMENTS_SHOWN of them added to `kept` as they pass."""
+    for item in items:
+        if len(kept) < DISAGREEMENTS_SHOWN:
+            kept.append(item)
+        yield item

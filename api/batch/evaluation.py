@@ -5,40 +5,95 @@ A two-label model decides for its second label ("positive", e.g. spam) when the 
 score of that label is above 0.5: the server re-centres its scores on the model's
 `decision_threshold`, so this is the decision at that threshold. Other thresholds are given
 on the served scale and, for the models file, on the model's own.
+
+A servable's answers are kept as Judgements, the least the metrics need: per row the index
+of the expected and of the predicted label and the positive label's score, never the text,
+id or ranked answer, so a file of millions of rows is evaluated in tens of MB.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from api.batch.scoring import Outcome, Servable
+from api.batch.rows import Row
+from api.batch.scoring import Outcome, Ranked, Servable
 
 SERVED_DECISION = 0.5
 THRESHOLD_DECIMALS = 6
+# A label index for no label: an expected label that is none of the servable's (or none at
+# all), or the prediction of a row with no answer (an error).
+NO_LABEL = -1
 
 
-@dataclass(frozen=True)
-class Judged:
-    """One row as evaluated: its number, id, expected label and outcome."""
+def label_code(count: int) -> str:
+    """The smallest array typecode holding NO_LABEL and the index of each of `count` labels:
+    one byte a row for any classifier of up to 127 labels."""
+    for code in ("b", "h", "i"):
+        if count < 2 ** (8 * array(code).itemsize - 1):
+            return code
+    return "q"
 
-    row: int
-    id: object
-    expected: str | None
-    outcome: Outcome | None
 
-    @property
-    def predicted(self) -> str | None:
-        ok = self.outcome is not None and self.outcome.ranked is not None
-        return self.outcome.ranked[0]["label"] if ok else None  # type: ignore[union-attr,index]
+def score_of(ranked: Ranked, label: str) -> float:
+    return float(next(s["score"] for s in ranked if s["label"] == label))
 
-    def score_of(self, label: str) -> float:
-        assert self.outcome is not None and self.outcome.ranked is not None
-        return float(next(s["score"] for s in self.outcome.ranked if s["label"] == label))
+
+class Judgements:
+    """One servable's answers to a file's rows, in row order: per row the index among its
+    labels of the expected and of the predicted label (NO_LABEL: none of them, or no answer),
+    the positive label's score (two labels: 8 bytes) and, where servables are compared, the
+    predicted label's (8 bytes). Rows without an answer hold NaN scores."""
+
+    def __init__(self, labels: Sequence[str], compared: bool = False) -> None:
+        self.labels = list(labels)
+        self.index = {label: i for i, label in enumerate(self.labels)}
+        code = label_code(len(self.labels))
+        self.expected: array[int] = array(code)
+        self.predicted: array[int] = array(code)
+        self.keeps_positive, self.keeps_top = len(self.labels) == 2, compared
+        self.positive: array[float] = array("d")
+        self.top: array[float] = array("d")
+
+    def __len__(self) -> int:
+        return len(self.predicted)
+
+    def add(self, expected: str | None, outcome: Outcome | None) -> None:
+        """The next row: its expected label (None: unlabelled) and outcome (None: no text)."""
+        self.expected.append(NO_LABEL if expected is None else self.index.get(expected, NO_LABEL))
+        ranked = None if outcome is None else outcome.ranked
+        if ranked is None:
+            self.predicted.append(NO_LABEL)
+            positive = top = math.nan
+        else:
+            self.predicted.append(self.index[ranked[0]["label"]])
+            positive = score_of(ranked, self.labels[1]) if self.keeps_positive else math.nan
+            top = float(ranked[0]["score"])
+        if self.keeps_positive:
+            self.positive.append(positive)
+        if self.keeps_top:
+            self.top.append(top)
+
+    def counted(self) -> Iterator[tuple[int, float]]:
+        """(expected label's index, positive score) of each row answered whose expected label
+        is one of the servable's; two labels only."""
+        assert self.keeps_positive
+        for expected, predicted, score in zip(
+            self.expected, self.predicted, self.positive, strict=True
+        ):
+            if predicted != NO_LABEL and expected != NO_LABEL:
+                yield expected, score
+
+    def sweep(self) -> Sweep:
+        """The counted rows' positive scores, the positive rows' apart from the negatives'."""
+        return Sweep.of((expected == 1, score) for expected, score in self.counted())
 
 
 def ratio(part: float, whole: float) -> float:
@@ -51,17 +106,16 @@ def f1(precision: float, recall: float) -> float:
 
 
 def evaluate(
-    servable: Servable, judged: Sequence[Judged], cost_fp: float, cost_fn: float
+    servable: Servable, judged: Judgements, cost_fp: float, cost_fn: float
 ) -> dict[str, Any]:
     """Rows, accuracy, per-label precision/recall/F1, the negative label's false-positive
     rate, the confusion matrix, and for two labels the metrics at the decision threshold and
     at the threshold of least cost."""
     labels = servable.labels
-    counted = [j for j in judged if j.predicted is not None and j.expected in labels]
-    errors = sum(1 for j in judged if j.predicted is None)
-    confusion = {e: dict.fromkeys(labels, 0) for e in labels}
-    for j in counted:
-        confusion[j.expected][j.predicted] += 1  # type: ignore[index]
+    pairs = Counter(zip(judged.expected, judged.predicted, strict=True))
+    errors = sum(n for (_, predicted), n in pairs.items() if predicted == NO_LABEL)
+    confusion = {e: {p: pairs[(i, j)] for j, p in enumerate(labels)} for i, e in enumerate(labels)}
+    counted = sum(sum(row.values()) for row in confusion.values())
     per_label = {}
     for label in labels:
         tp = confusion[label][label]
@@ -79,17 +133,17 @@ def evaluate(
     report: dict[str, Any] = {
         "servable": servable.column,
         "rows": len(judged),
-        "scored": len(counted),
+        "scored": counted,
         "errors": errors,
-        "unlabelled": len(judged) - errors - len(counted),
-        "accuracy": ratio(sum(confusion[label][label] for label in labels), len(counted)),
+        "unlabelled": len(judged) - errors - counted,
+        "accuracy": ratio(sum(confusion[label][label] for label in labels), counted),
         "per_label": per_label,
         "negative_label": negative,
         "negative_false_positive_rate": ratio(negatives - confusion[negative][negative], negatives),
         "confusion": confusion,
     }
     if len(labels) == 2:
-        report["thresholds"] = thresholds(servable, counted, cost_fp, cost_fn)
+        report["thresholds"] = thresholds(servable, judged.sweep(), cost_fp, cost_fn)
     return report
 
 
@@ -98,13 +152,20 @@ class Sweep:
     """Positive-label scores of the positive and the negative rows, sorted: the counts at
     any threshold by bisection, so trying every threshold costs n log n, not n²."""
 
-    positives: list[float]
-    negatives: list[float]
+    positives: array[float]
+    negatives: array[float]
 
     @classmethod
-    def of(cls, truth: Sequence[bool], scores: Sequence[float]) -> Sweep:
-        pairs = list(zip(truth, scores, strict=True))
-        return cls(sorted(s for t, s in pairs if t), sorted(s for t, s in pairs if not t))
+    def of(cls, judged: Iterable[tuple[bool, float]]) -> Sweep:
+        """From (the row is positive, its score) pairs."""
+        positives, negatives = array("d"), array("d")
+        for truth, score in judged:
+            (positives if truth else negatives).append(score)
+        return cls(array("d", sorted(positives)), array("d", sorted(negatives)))
+
+    def scores(self) -> Iterator[float]:
+        """Every score, ascending."""
+        return heapq.merge(self.positives, self.negatives)
 
     def at(self, threshold: float, cost_fp: float, cost_fn: float) -> dict[str, Any]:
         """Positive when the score is above `threshold`: the counts, rates and cost."""
@@ -126,29 +187,50 @@ class Sweep:
         }
 
 
-def candidate_thresholds(scores: Sequence[float]) -> list[float]:
+def distinct(ascending: Iterable[float]) -> Iterator[float]:
+    """Each value of an ascending sequence once."""
+    last: float | None = None
+    for value in ascending:
+        if last is None or value != last:
+            yield value
+            last = value
+
+
+def candidate_thresholds(ascending: Iterable[float]) -> Iterator[float]:
     """0.5 and the midpoints between consecutive distinct scores (with 0 below and 1 above:
-    everything positive, or nothing), rounded: every decision the scores allow."""
-    ordered = sorted({0.0, 1.0, *scores})
-    mids = {round((a + b) / 2, THRESHOLD_DECIMALS) for a, b in itertools.pairwise(ordered)}
-    return sorted({SERVED_DECISION} | mids)
+    everything positive, or nothing), rounded: every decision the scores allow, ascending,
+    each once. Walked from scores given ascending, so a million of them are never held:
+    midpoints of ascending pairs, and their rounding, ascend too."""
+    ordered = distinct(heapq.merge([0.0], ascending, [1.0]))
+    mids = (round((a + b) / 2, THRESHOLD_DECIMALS) for a, b in itertools.pairwise(ordered))
+    return distinct(heapq.merge([SERVED_DECISION], mids))
 
 
-def thresholds(
-    servable: Servable, counted: Sequence[Judged], cost_fp: float, cost_fn: float
-) -> dict[str, Any]:
+def least_cost(sweep: Sweep, cost_fp: float, cost_fn: float) -> float:
+    """The candidate threshold of least cost_fp × false positives + cost_fn × false
+    negatives, ties going to the one nearest 0.5, then to the lowest: one walk up the
+    candidates, counting the scores at or below each (what Sweep.at bisects for)."""
+    positives, negatives = sweep.positives, sweep.negatives
+    below_positive = below_negative = 0
+    best, best_key = SERVED_DECISION, None
+    for threshold in candidate_thresholds(sweep.scores()):
+        while below_positive < len(positives) and positives[below_positive] <= threshold:
+            below_positive += 1
+        while below_negative < len(negatives) and negatives[below_negative] <= threshold:
+            below_negative += 1
+        fp, fn = len(negatives) - below_negative, below_positive
+        key = (cost_fp * fp + cost_fn * fn, abs(threshold - 0.5))
+        if best_key is None or key < best_key:  # as min() keeps the first of equal keys
+            best, best_key = threshold, key
+    return best
+
+
+def thresholds(servable: Servable, sweep: Sweep, cost_fp: float, cost_fn: float) -> dict[str, Any]:
     """The metrics at the decision threshold and at the served threshold of least
     cost_fp × false positives + cost_fn × false negatives (ties: the one nearest 0.5)."""
-    positive = servable.labels[1]
-    scores = [j.score_of(positive) for j in counted]
-    sweep = Sweep.of([j.expected == positive for j in counted], scores)
-
-    def key(threshold: float) -> tuple[float, float]:
-        return sweep.at(threshold, cost_fp, cost_fn)["cost"], abs(threshold - 0.5)
-
-    best = min(candidate_thresholds(scores), key=key)
+    best = least_cost(sweep, cost_fp, cost_fn)
     return {
-        "positive_label": positive,
+        "positive_label": servable.labels[1],
         "cost_fp": cost_fp,
         "cost_fn": cost_fn,
         "decision": {
@@ -178,36 +260,52 @@ def model_threshold(served: float, decision_threshold: float | None) -> float:
     return round(1.0 / (1.0 + math.exp(-(logit(served) + shift))), THRESHOLD_DECIMALS)
 
 
-def disagreements(columns: Mapping[str, Sequence[Judged]]) -> list[dict[str, Any]]:
-    """The rows that every servable scored but not all gave the same label."""
-    names = list(columns)
-    found = []
-    for together in zip(*columns.values(), strict=True):
-        labels = [j.predicted for j in together]
-        if None in labels or len(set(labels)) == 1:
+def disagreeing_rows(columns: Mapping[str, Judgements]) -> array[int]:
+    """The numbers of the rows that every servable answered but not all with the same label."""
+    found: array[int] = array("q")
+    labels = [judged.labels for judged in columns.values()]
+    predicted = [judged.predicted for judged in columns.values()]
+    for row, codes in enumerate(zip(*predicted, strict=True)):
+        if NO_LABEL in codes:
             continue
-        first = together[0]
-        found.append(
-            {
-                "row": first.row,
-                "id": first.id,
-                "expected": first.expected,
-                "labels": dict(zip(names, labels, strict=True)),
-                "top_scores": {
-                    name: j.score_of(j.predicted) for name, j in zip(names, together, strict=True)
-                },
-            }
-        )
+        if len({names[code] for names, code in zip(labels, codes, strict=True)}) > 1:
+            found.append(row)
     return found
 
 
-def precision_recall_curve(
-    truth: Sequence[bool], scores: Sequence[float]
-) -> tuple[list[float], list[float]]:
+def disagreements(
+    columns: Mapping[str, Judgements],
+    apart: Sequence[int],
+    rows: Iterable[Row],
+    expected: Callable[[Row], str | None],
+) -> Iterator[dict[str, Any]]:
+    """The rows numbered in `apart` (ascending) with each servable's label and its score; their
+    ids and expected labels are not kept, so they come from `rows`, the file read again."""
+    wanted = iter(apart)
+    number = next(wanted, None)
+    if number is None:
+        return  # the file is not read
+    for row in rows:
+        if row.index != number:
+            continue
+        yield {
+            "row": row.index,
+            "id": row.id,
+            "expected": expected(row),
+            "labels": {
+                name: judged.labels[judged.predicted[row.index]] for name, judged in columns.items()
+            },
+            "top_scores": {name: judged.top[row.index] for name, judged in columns.items()},
+        }
+        number = next(wanted, None)
+        if number is None:
+            return
+
+
+def precision_recall_curve(sweep: Sweep) -> tuple[list[float], list[float]]:
     """(recall, precision) at every threshold the scores allow, from the highest down."""
-    sweep = Sweep.of(truth, scores)
     recalls, precisions = [], []
-    for threshold in reversed(candidate_thresholds(scores)):
+    for threshold in reversed(list(candidate_thresholds(sweep.scores()))):
         m = sweep.at(threshold, 0.0, 0.0)
         if m["tp"] + m["fp"]:
             recalls.append(m["recall"])

@@ -6,6 +6,7 @@ again, once the header says it is the same input scored the same way."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -126,6 +127,21 @@ def json_text(value: object, indent: int | None = None) -> str:
     refused as such, a file name that is not UTF-8) is written as U+FFFD, so no write fails
     and every reader (jq, pandas) takes every line."""
     return valid_unicode(json.dumps(value, ensure_ascii=False, indent=indent))
+
+
+def write_json(stream: IO[str], value: dict[str, Any], key: str, items: Iterable[object]) -> None:
+    """`value` with the list of `items` under `key`, its last key, as json_text(indent=2)
+    writes the whole (and a newline), but an item at a time: a list as long as the input
+    (evaluate's disagreements) is never held."""
+    assert key not in value
+    empty = "[]\n}"
+    opening = json_text({**value, key: []}, indent=2)
+    stream.write(opening.removesuffix(empty))
+    between = "[\n"
+    for item in items:
+        stream.write(between + "    " + json_text(item, indent=2).replace("\n", "\n    "))
+        between = ",\n"
+    stream.write(empty + "\n" if between == "[\n" else "\n  ]\n}\n")
 
 
 class Writer:

@@ -4,11 +4,12 @@ matplotlib is installed), JSON for machines."""
 from __future__ import annotations
 
 import importlib.util
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from api.batch.evaluation import Judged, precision_recall_curve
+from api.batch.evaluation import Judgements, precision_recall_curve
 
 Report = dict[str, Any]
 DISAGREEMENTS_SHOWN = 20
@@ -77,10 +78,12 @@ def terminal_table(reports: Sequence[Report], disagreeing: int) -> str:
 def markdown(
     reports: Sequence[Report],
     disagreeing: Sequence[dict[str, Any]],
+    disagreeing_count: int,
     source: str,
     plots: Sequence[str],
 ) -> str:
-    """The markdown report: the table, what the thresholds mean, disagreements, plots."""
+    """The markdown report: the table, what the thresholds mean, the first DISAGREEMENTS_SHOWN
+    of the `disagreeing_count` disagreements (`disagreeing`), plots."""
     names = [r["servable"] for r in reports]
     lines = [
         f"# Evaluation of {', '.join(names)}",
@@ -106,7 +109,7 @@ def markdown(
             "it is an optimistic figure.",
         ]
     if len(reports) > 1:
-        lines += ["", f"## Rows where they disagree ({len(disagreeing)})", ""]
+        lines += ["", f"## Rows where they disagree ({disagreeing_count})", ""]
         if disagreeing:
             lines += [
                 "| Row | Id | Expected | " + " | ".join(names) + " |",
@@ -118,8 +121,8 @@ def markdown(
                     f"| {d['row']} | {d['id'] if d['id'] is not None else ''} "
                     f"| {d['expected'] or ''} | " + " | ".join(cells) + " |"
                 )
-            if len(disagreeing) > DISAGREEMENTS_SHOWN:
-                lines.append(f"\n{len(disagreeing) - DISAGREEMENTS_SHOWN} more in the JSON report.")
+            if (more := disagreeing_count - DISAGREEMENTS_SHOWN) > 0:
+                lines.append(f"\n{more} more in the JSON report.")
     lines += ["", "## Plots", ""]
     if plots:
         lines += [f"![{Path(p).stem}]({p})" for p in plots]
@@ -132,9 +135,7 @@ def can_plot() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def draw_plots(
-    folder: Path, columns: Mapping[str, Sequence[Judged]], labels: list[str]
-) -> list[str]:
+def draw_plots(folder: Path, columns: Mapping[str, Judgements], labels: list[str]) -> list[str]:
     """Per servable, a histogram of the positive label's score per expected label, and one
     precision-recall curve of them all; the files' names, relative to `folder`."""
     if len(labels) != 2 or not can_plot():
@@ -148,8 +149,8 @@ def draw_plots(
     names: list[str] = []
     for index, (name, judged) in enumerate(columns.items()):
         figure, axes = plt.subplots(figsize=(6, 3.5))
-        for label in labels:
-            scores = [j.score_of(positive) for j in judged if j.expected == label and j.predicted]
+        for code, label in enumerate(labels):
+            scores = array("d", (score for e, score in judged.counted() if e == code))
             axes.hist(scores, bins=HISTOGRAM_BINS, range=(0, 1), alpha=0.6, label=label)
         axes.set(title=f"{name}: score of {positive} by expected label", xlabel="served score")
         axes.set_yscale("log")
@@ -161,10 +162,7 @@ def draw_plots(
         names.append(file)
     figure, axes = plt.subplots(figsize=(5, 4))
     for name, judged in columns.items():
-        counted = [j for j in judged if j.predicted is not None and j.expected in labels]
-        recall, precision = precision_recall_curve(
-            [j.expected == positive for j in counted], [j.score_of(positive) for j in counted]
-        )
+        recall, precision = precision_recall_curve(judged.sweep())
         axes.plot(recall, precision, label=name)
     axes.set(title=f"precision-recall of {positive}", xlabel="recall", ylabel="precision")
     axes.legend()

@@ -20,6 +20,8 @@ from api.batch.scoring import Outcome, Source, Target, score_rows
 CHUNKS_IN_FLIGHT = 2
 
 Expected = Callable[[Row], str | None]  # a row's expected label (evaluate), or None
+# Given each row's expected label (None without Expected) and outcome (None: no text).
+Judge = Callable[[str | None, Outcome | None], None]
 
 
 @dataclass
@@ -51,10 +53,11 @@ async def score_file(
     writer: Writer | None,
     progress: Progress | None = None,
     expected: Expected | None = None,
-    kept: list[tuple[Row, Outcome | None]] | None = None,
+    judge: Judge | None = None,
 ) -> Tally:
     """Scores `rows` and writes their lines in order (`writer` None: only counted);
-    `kept`, if given, gets every row with its outcome (None: the row had no text)."""
+    `judge`, if given, is called for every row in order as its chunk is answered: nothing of
+    a row is held after its chunk."""
     tally = Tally()
     pending: deque[tuple[list[Row], asyncio.Task[list[Outcome]]]] = deque()
 
@@ -64,14 +67,15 @@ async def score_file(
         lines: list[dict[str, Any]] = []
         for row in chunk:
             outcome = None if row.text is None else next(outcomes)
-            lines.append(row_line(row, outcome, expected(row) if expected else None))
+            label = expected(row) if expected else None
+            lines.append(row_line(row, outcome, label))
             error = lines[-1].get("error")
             if error is None:
                 tally.scored += 1
             else:
                 tally.errors[error["code"]] += 1
-            if kept is not None:
-                kept.append((row, outcome))
+            if judge is not None:
+                judge(label, outcome)
         if writer is not None:
             writer.write(lines)
         if progress is not None:
