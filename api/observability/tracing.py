@@ -95,8 +95,13 @@ def shutdown() -> None:
 
 def span(name: str) -> AbstractContextManager[Span | None]:
     """A child span of the current one, current while the block runs (an exception ends it
-    in error); with tracing off, one shared do-nothing block that yields None."""
-    if tracer is None:
+    in error); with tracing off, or no span current, one shared do-nothing block that yields
+    None.
+
+    A stage never starts a trace: with no span current it runs outside every request's
+    trace (a batch that serves no sampled request has no span), and a span started there
+    would be a root that the sampler keeps, a stray trace of its own."""
+    if tracer is None or not trace.get_current_span().get_span_context().is_valid:
         return NO_SPAN
     return tracer.start_as_current_span(name)
 
@@ -176,7 +181,7 @@ def batch(
     """The span of one batch, current while it runs, in the trace of the first request it
     serves and linked from every sampled request; each of them gets its `queue wait` span
     (from its submission, `(span context, time.monotonic())`, to the batch's start) linked to
-    the batch. Without a sampled request, no span."""
+    the batch. Without a sampled request, no span, and none of its stages (`span`) either."""
     if tracer is None or not requests:
         yield
         return

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import cast
@@ -54,6 +54,11 @@ from tests.support.tiny_models import (
 )
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
+
+
+def oip_body(text: str) -> dict[str, object]:
+    """An Open Inference Protocol infer request of one text."""
+    return {"inputs": [{"name": "input-0", "shape": [1], "datatype": "BYTES", "data": [text]}]}
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +139,18 @@ def test_refusals_and_other_routes_come_through_as_one_process_gives_them(
         ("GET", "/info", None),
         ("GET", "/v2/models/tiny", None),  # the Open Inference Protocol's metadata
         ("GET", "/openapi.json", None),
+        # Its infer, which the front end answers itself: an answer, the model side's 404, the
+        # route's own refusals.
+        ("POST", "/v2/models/tiny/infer", {**oip_body("hi"), "id": "same on both"}),
+        ("POST", "/v2/models/nobody/infer", oip_body("hi")),
+        ("POST", "/v2/models/tiny/infer", {**oip_body("hi"), "outputs": [{"name": "x"}]}),
+        ("POST", "/v2/models/tiny/infer", {"inputs": "not a list"}),
     ]
     for method, path, body in asked:
         direct = httpx.request(method, f"{model_side.url}{path}", json=body, timeout=30)
         through = httpx.request(method, f"{front_end.url}{path}", json=body, timeout=30)
         assert (through.status_code, through.json()) == (direct.status_code, direct.json()), path
         assert through.headers["content-type"] == direct.headers["content-type"]
-    infer = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}
-    answered = httpx.post(f"{front_end.url}/v2/models/tiny/infer", json=infer, timeout=30)
-    assert answered.status_code == 200 and answered.json()["model_name"] == "tiny"
 
 
 def test_the_request_id_is_the_front_ends_on_both_sides(
@@ -202,17 +210,24 @@ def test_without_families_drops_whole_families_in_both_formats() -> None:
     assert "loraserve_requests" in REQUEST_FAMILIES
 
 
-def test_a_client_that_goes_has_its_call_dropped_on_the_model_side(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/predict", lambda text: {"inputs": text}), ("/v2/models/sim/infer", oip_body)],
+    ids=["predict", "oip"],
+)
+def test_a_client_that_goes_has_its_call_dropped_on_the_model_side(
+    tmp_path: Path, path: str, body: Callable[[str], dict[str, object]]
+) -> None:
     env = {**simulated_split_env(tmp_path, 1.0), "MAX_BATCH_SIZE": "1"}
     with split(tmp_path, env) as (_, front_end):
-        url, metrics = f"{front_end.url}/predict", f"{front_end.url}/metrics"
+        url, metrics = f"{front_end.url}{path}", f"{front_end.url}/metrics"
         batches = "loraserve_batch_size_count"
         batches_before = exposition_sum(httpx.get(metrics, timeout=10).text, batches)
         with ThreadPoolExecutor(max_workers=1) as pool:
-            busy = pool.submit(httpx.post, url, json={"inputs": "first"}, timeout=30)
+            busy = pool.submit(httpx.post, url, json=body("first"), timeout=30)
             time.sleep(0.3)  # its batch runs for a second; the next text queues behind it
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url, json={"inputs": "nobody waits for this"}, timeout=0.3)
+                httpx.post(url, json=body("nobody waits for this"), timeout=0.3)
             assert busy.result().status_code == 200
         deadline = time.monotonic() + 10
         dropped = 0.0

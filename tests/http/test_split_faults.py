@@ -33,6 +33,7 @@ from api.http.split.messages import (
     read_replies,
 )
 from api.http.split.model_side import ModelSide
+from api.http.split.remote import ModelSideLink
 from api.http.split.socket_claim import SocketClaim, SocketInUse
 from api.service.core import Service
 from tests.support.in_process import make_settings, spec_for
@@ -143,6 +144,40 @@ async def test_a_front_end_of_another_user_is_refused_and_logged_once(
     finally:
         await model_side.close()
     assert not path.exists()
+
+
+async def test_a_forward_the_front_end_cancels_stops_in_the_model_sides_app(
+    tiny_bert: TinyModel, tmp_path: Path
+) -> None:
+    """The model side's app answers a forwarded request through an in-process transport that
+    tells it of no disconnect before the answer: the front end's Cancel alone stops it."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    app = FastAPI()
+
+    @app.post("/slow")
+    async def slow() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    path = tmp_path / "model.sock"
+    service = Service(make_settings(), [spec_for(tiny_bert)])  # not started: nothing loads
+    model_side = ModelSide(app, service, path)
+    await model_side.start()
+    link = ModelSideLink(path)
+    try:
+        call = asyncio.create_task(link.forward("POST", "/slow", b"", [], b""))
+        await asyncio.wait_for(started.wait(), timeout=10)
+        call.cancel()
+        await asyncio.wait_for(cancelled.wait(), timeout=10)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        await link.close()
+        await model_side.close()
 
 
 def test_a_draining_front_end_answers_503_on_ready_on_a_kept_alive_connection(

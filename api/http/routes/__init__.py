@@ -7,4 +7,10 @@ from api.http.routes import adapters, oip, status, tei
 
 # Included into the app one by one, not through a router of routers: FastAPI walks every
 # level of inclusion on every request, and /predict is matched first.
-ROUTERS: tuple[APIRouter, ...] = (tei.router, status.router, oip.router, adapters.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    tei.router,
+    status.router,
+    oip.router,
+    oip.infer_router,
+    adapters.router,
+)

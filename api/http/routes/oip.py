@@ -28,7 +28,7 @@ from api import __version__
 from api.http.classifying import answer_headers, classify
 from api.http.errors import BadRequest
 from api.http.lengths import parse_length
-from api.http.routes.common import Core, ScoresResponse, json_body
+from api.http.routes.common import Core, ScoresResponse, classifier_of, json_body
 from api.http.schemas import (
     OipError,
     OipInferenceRequest,
@@ -57,7 +57,11 @@ ERRORS: dict[int | str, dict[str, object]] = {
 }
 NOT_READY: dict[int | str, dict[str, object]] = {503: {"model": OipReady}}
 
-router = APIRouter(prefix="/v2", tags=["Open Inference Protocol (KServe v2)"])
+TAG = "Open Inference Protocol (KServe v2)"
+router = APIRouter(prefix="/v2", tags=[TAG])
+# Apart: `infer` needs only a service's classify, so the split's front end serves it itself
+# (its client's disconnect cancels the call); the other routes read the core's models.
+infer_router = APIRouter(prefix="/v2", tags=[TAG])
 
 
 @router.get("", response_model=OipServerMetadata, responses=ERRORS)
@@ -117,19 +121,19 @@ async def model_ready(name: str, service: Core) -> JSONResponse:
     )
 
 
-@router.post(
+@infer_router.post(
     "/models/{name}/infer",
     response_model=OipInferenceResponse,
     responses=ERRORS,
     openapi_extra=json_body(OipInferenceRequest),
 )
-async def infer(name: str, request: Request, service: Core) -> Response:
+async def infer(name: str, request: Request) -> Response:
     """Classifies the texts of the one BYTES input with the model or the cascade."""
     payload, binary = parse_request(await request.body(), request.headers.get(HEADER_LENGTH))
     wanted = requested_outputs(payload)
     texts = input_texts(payload.inputs[0], binary)
     adapter = payload.parameters.adapter if payload.parameters else None
-    done = await classify(request, service, texts, name, adapter)
+    done = await classify(request, classifier_of(request), texts, name, adapter)
     probabilities = [list(scores.probabilities) for scores in done.result.scores]
     classes = [max(range(len(row)), key=row.__getitem__) for row in probabilities]
     outputs: dict[str, dict[str, Any]] = {

@@ -1,9 +1,10 @@
 """A front end of the split (`loraserve front-end`): the service's HTTP in a process of its
 own, with the models' process (`loraserve` with the same SPLIT_SOCKET) behind one Unix socket.
 
-`/predict` is the HTTP door's own route on a RemoteService (api.http.split.remote), which
-checks this process's phase, the deadline and the limits, and has the model side's core
-classify. `/health` is this process's and, when it is there, the model side's. `/metrics` is
+`/predict` and the Open Inference Protocol's infer are the HTTP door's own routes on a
+RemoteService (api.http.split.remote), which checks this process's phase, the deadline and
+the limits, and has the model side's core classify: a client that goes cancels its call
+there. `/health` is this process's and, when it is there, the model side's. `/metrics` is
 the model side's, with the request families (counted here, where every request arrives) and
 this process's own process metrics. The ready probes are this process's while it drains, the
 model side's otherwise. Every other request is answered by the model side's app, forwarded
@@ -26,7 +27,7 @@ from prometheus_client.registry import Collector
 from api import __version__
 from api.http.errors import install_error_handlers, response_for
 from api.http.layers import install_middleware
-from api.http.routes import tei
+from api.http.routes import oip, tei
 from api.http.schemas import HealthResponse
 from api.http.split.remote import (
     ModelSideLink,
@@ -59,8 +60,9 @@ _REQUEST_ID = HEADER.lower()
 
 
 def create_front_end_app(settings: Settings) -> FastAPI:
-    """`/predict` (TEI's and the Inference API's), `/health`, the merged `/metrics`, and every
-    other path forwarded to the model side on `settings.split_socket`."""
+    """`/predict` (TEI's and the Inference API's), the Open Inference Protocol's infer,
+    `/health`, the merged `/metrics`, and every other path forwarded to the model side on
+    `settings.split_socket`."""
     if settings.split_socket is None:
         raise ValueError("a front end needs SPLIT_SOCKET: the model side's socket")
     link = ModelSideLink(settings.split_socket)
@@ -97,7 +99,9 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     )
     app.state.service = service
     install_error_handlers(app)
-    app.include_router(tei.router)
+    classifying = [tei.router, oip.infer_router]
+    for router in classifying:
+        app.include_router(router)
 
     async def health(request: Request) -> Response:
         # Alive: this process answers, and the model side too when it is there. One that is
@@ -174,7 +178,7 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     for path in READY_PATHS:
         app.add_api_route(path, ready, methods=["GET"], include_in_schema=False)
     app.add_api_route("/{path:path}", forward, methods=FORWARD_METHODS, include_in_schema=False)
-    install_middleware(app, service, [tei.router])
+    install_middleware(app, service, classifying)
     return app
 
 

@@ -4,9 +4,10 @@ on SPLIT_SOCKET.
 A front end's classifying request arrives as a Classify call, answered by the core's own
 `classify` (which model, the cache tiers, tokenizing, admission, the batcher, the device),
 and goes back as the scores or as the core's refusal, by its code. Every other request
-(`/models`, `/ready`, the adapter routes, `/metrics`, the Open Inference Protocol's) arrives
-whole and is answered by this process's own app, as if it had come over HTTP. The front end
-has already checked the client's key and body; the socket is the operator's.
+(`/models`, `/ready`, the adapter routes, `/metrics`, the Open Inference Protocol's metadata
+and probes) arrives whole and is answered by this process's own app, as if it had come over
+HTTP; a call the front end cancels cancels the app's handling of it. The front end has
+already checked the client's key and body; the socket is the operator's.
 """
 
 from __future__ import annotations
