@@ -8,11 +8,11 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import httpx
 
@@ -257,7 +257,8 @@ async def run_evaluate(args: argparse.Namespace) -> int:
     fmt: Format | None = args.format
     mapping = label_map(args.label_map)
     total = count_rows(args.file, columns, fmt)
-    identity = input_identity(args.file, columns, fmt)
+    # Only the report's scored files have a header that records the input (a whole read).
+    identity = None if args.report is None else input_identity(args.file, columns, fmt)
     if args.report is not None:
         args.report.mkdir(parents=True, exist_ok=True)
 
@@ -283,7 +284,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
                 )
             try:
                 writer = Writer(scored) if scored is not None else None
-                if writer is not None:
+                if writer is not None and identity is not None:
                     writer.write([{"header": header(servable, args.truncate, identity)}])
                 progress = None if args.quiet else Progress(total)
                 run = Run(source, target, args.truncate, args.batch_size)
@@ -300,13 +301,12 @@ async def run_evaluate(args: argparse.Namespace) -> int:
     apart = disagreeing_rows(judged_by) if len(judged_by) > 1 else []
     print(terminal_table(reports, len(apart)))
     found = disagreements(judged_by, apart, read_rows(args.file, columns, fmt), expected)
-    shown: list[dict[str, Any]] = []  # the first ones, for the markdown report
+    wanted = args.json is not None or args.report is not None  # else the file is not read again
+    shown = list(islice(found, DISAGREEMENTS_SHOWN)) if wanted else []  # the markdown's
     if args.json is not None:
         with args.json.open("w", encoding="utf-8") as stream:
             result = {"input": str(args.file), "servables": reports}
-            write_json(stream, result, "disagreements", first_kept(found, shown))
-    elif args.report is not None:
-        shown = list(islice(found, DISAGREEMENTS_SHOWN))
+            write_json(stream, result, "disagreements", chain(shown, found))
     if args.report is not None:
         plots = draw_plots(args.report, judged_by, labels)
         text = markdown(reports, shown, len(apart), args.file.name, plots)
@@ -314,13 +314,3 @@ async def run_evaluate(args: argparse.Namespace) -> int:
         if not can_plot():
             print("loraserve: no plots: matplotlib is not installed", file=sys.stderr)
     return 0
-
-
-def first_kept(
-    items: Iterable[dict[str, Any]], kept: list[dict[str, Any]]
-) -> Iterator[dict[str, Any]]:
-    """`items`, the first DISAGREEMENTS_SHOWN of them added to `kept` as they pass."""
-    for item in items:
-        if len(kept) < DISAGREEMENTS_SHOWN:
-            kept.append(item)
-        yield item
