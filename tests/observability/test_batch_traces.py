@@ -21,6 +21,7 @@ from api.models.spec import load_models_file
 from api.observability import tracing
 from tests.support.in_process import serving
 from tests.support.tiny_models import simulated_entry, write_models_file
+from tests.support.trace_context import traceparent
 
 # The SDK's default (no OTEL_TRACES_SAMPLER), and a ratio of 0 for traces the service starts:
 # either way a client's sampling decision is the request's.
@@ -57,10 +58,6 @@ def client(exporter: InMemorySpanExporter, tmp_path: Path) -> Iterator[TestClien
         admission_control=False,
     ) as client:
         yield client
-
-
-def traceparent(trace_id: str, sampled: bool) -> str:
-    return f"00-{trace_id}-{uuid.uuid4().hex[:16]}-{'01' if sampled else '00'}"
 
 
 def post_together(client: TestClient, sampled: list[bool]) -> list[str]:

@@ -26,6 +26,7 @@ from api.observability.record import RequestRecord
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
 from tests.support.server_process import ServerProcess, run_server
 from tests.support.tiny_models import LABELS, TinyModel, write_models_file
+from tests.support.trace_context import traceparent
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
 MAX_TEXT_CHARS = 200
@@ -248,11 +249,6 @@ def test_a_traceparent_is_continued_through_every_stage_and_exported(traced: Tra
     classic = httpx.get(f"{traced.server.url}/metrics")
     assert classic.headers["Content-Type"].startswith("text/plain")
     assert "trace_id=" not in classic.text
-
-
-def traceparent(trace_id: str, sampled: bool = True) -> str:
-    """A W3C traceparent in trace `trace_id`, from a new client span."""
-    return f"00-{trace_id}-{uuid.uuid4().hex[:16]}-{'01' if sampled else '00'}"
 
 
 def spans_after_a_traced_request(traced: Traced) -> list[ReceivedSpan]:
