@@ -74,7 +74,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters
+bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters bench-rollout
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -137,6 +137,10 @@ bench-replica-threads: $(BENCH_INSTALLED)
 ## bench-adapters: run-time adapters under load: time to load and swap one, the latency hiccup
 bench-adapters: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.adapters
+
+## bench-rollout: a candidate in shadow at share 0.1 and 1.0 against none: served rate, drops, a shadow row's cost
+bench-rollout: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.rollout
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site

@@ -24,6 +24,14 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BATCH_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 ADAPTER_LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ADAPTER_LOAD_RESULTS = ("loaded", "swapped", "unchanged", "reloaded", "refused", "cancelled")
+# A score or a score difference, in twentieths: an answer's P(positive), a candidate's minus
+# its served adapter's.
+SCORE_BUCKETS = tuple(round(i / 20, 2) for i in range(1, 21))
+SCORE_DIFFERENCE_BUCKETS = tuple(round(i / 10, 1) for i in range(-9, 11))
+# Why a shadow row was not scored: the model was busy when it came, the shadow queue was
+# full, no batch had room for it before its time ran out, the service stopped, its forward
+# (or its adapter's attach) failed.
+SHADOW_DROP_REASONS = ("busy", "queue_full", "no_room", "stopped", "failed")
 # Every refused request is counted under the reason its status code stands for.
 REJECTION_REASON_BY_STATUS = {
     400: "invalid",
@@ -235,6 +243,84 @@ class Metrics:
             registry=r,
         )
 
+        # What each adapter answers (drift): labels, and the positive class's probability
+        # (two-label models: the second label, as decision_threshold re-centres it on 0.5).
+        self.answer_labels = Counter(
+            f"{p}_answer_labels",
+            "Texts answered, by the label given (the best score)",
+            ["model", "adapter", "label"],
+            registry=r,
+        )
+        self.answer_positive_score = Histogram(
+            f"{p}_answer_positive_score",
+            "Two-label models: the probability of the second label in each answer",
+            ["model", "adapter"],
+            buckets=SCORE_BUCKETS,
+            registry=r,
+        )
+
+        # A candidate adapter beside the served one (api.serving.rollout): both adapters'
+        # answers to the same texts, compared without storing them.
+        self.candidate_share = Gauge(
+            f"{p}_candidate_share",
+            "The share of the served adapter's texts its candidate scores (shadow) or "
+            "answers (canary); 0 once it is stopped, promoted or rolled back",
+            ["model", "adapter", "candidate", "mode"],
+            registry=r,
+        )
+        self.candidate_texts = Counter(
+            f"{p}_candidate_texts",
+            "Texts scored by both the served adapter and its candidate",
+            ["model", "adapter", "candidate"],
+            registry=r,
+        )
+        self.candidate_agreements = Counter(
+            f"{p}_candidate_agreements",
+            "Compared texts given the same label by both",
+            ["model", "adapter", "candidate"],
+            registry=r,
+        )
+        self.candidate_flips = Counter(
+            f"{p}_candidate_flips",
+            "Compared texts the candidate labels otherwise: from the served adapter's label "
+            "to the candidate's",
+            ["model", "adapter", "candidate", "from_label", "to_label"],
+            registry=r,
+        )
+        self.candidate_labels = Counter(
+            f"{p}_candidate_labels",
+            "Compared texts by the label each side gave (side: served or candidate)",
+            ["model", "adapter", "candidate", "side", "label"],
+            registry=r,
+        )
+        self.candidate_score_difference = Histogram(
+            f"{p}_candidate_score_difference",
+            "Two-label models: the candidate's probability of the second label minus the "
+            "served adapter's, per compared text",
+            ["model", "adapter", "candidate"],
+            buckets=SCORE_DIFFERENCE_BUCKETS,
+            registry=r,
+        )
+        self.candidate_rollbacks = Counter(
+            f"{p}_candidate_rollbacks",
+            "Candidates rolled back: by a guard (max_flip_rate) or through the admin route",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.candidate_promotions = Counter(
+            f"{p}_candidate_promotions",
+            "Candidates made the model's default",
+            ["model"],
+            registry=r,
+        )
+        self.shadow_rows_dropped = Counter(
+            f"{p}_shadow_rows_dropped",
+            "Texts a candidate (or, in a canary, the served adapter) was to score in shadow "
+            "but did not: busy, queue_full, no_room, stopped, failed",
+            ["model", "reason"],
+            registry=r,
+        )
+
         # Series that exist from the start, at 0, so rates and ratios are defined at once.
         self.requests_over_target.labels("/predict")
         for reason in set(REJECTION_REASON_BY_STATUS.values()):
@@ -279,6 +365,16 @@ DASHBOARD_METRICS = (
     "loraserve_adapter_load_seconds_count",
     "loraserve_adapters_resident",
     "loraserve_adapter_evictions_total",
+    "loraserve_answer_labels_total",
+    "loraserve_answer_positive_score_bucket",
+    "loraserve_candidate_share",
+    "loraserve_candidate_texts_total",
+    "loraserve_candidate_agreements_total",
+    "loraserve_candidate_flips_total",
+    "loraserve_candidate_labels_total",
+    "loraserve_candidate_score_difference_bucket",
+    "loraserve_candidate_rollbacks_total",
+    "loraserve_shadow_rows_dropped_total",
     "process_resident_memory_bytes",
 )
 GPU_METRICS = ("loraserve_gpu_memory_allocated_bytes", "loraserve_gpu_memory_reserved_bytes")

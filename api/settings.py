@@ -370,9 +370,28 @@ class Settings(BaseSettings):
         "besides ADAPTERS_DIR; a lora_path elsewhere, or reached through a link out of them, "
         "is refused (403).",
     )
+    shadow_max_wait_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="How long a candidate's shadow rows wait for room in a batch beside the "
+        "clients' rows before they are dropped (counted, never refused to a client).",
+    )
+    shadow_max_queued_rows: int = Field(
+        1024, ge=0, description="Most shadow rows queued per model; more are dropped."
+    )
+    rollout_samples_dir: Path | None = Field(
+        None,
+        description="Stores texts: where each model's candidate keeps a capped sample of the "
+        "texts it labels otherwise than the served adapter, for a person to read. Unset "
+        "(the default): no text is stored.",
+    )
+    rollout_samples_max: int = Field(
+        200, ge=1, description="Most disagreeing texts kept per model and candidate."
+    )
     admin_api_key: SecretStr | None = Field(
         None,
-        description="Opens the routes that load and unload adapters, to this bearer key alone "
+        description="Opens the routes that load and unload adapters and change a model's "
+        "rollout (candidate, promote, rollback), to this bearer key alone "
         "(API_KEY does not open them); unset, they answer 403. It opens every other route too.",
     )
 

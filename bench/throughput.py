@@ -123,6 +123,34 @@ class Config:
     variant_env: dict[str, str] = field(default_factory=dict)  # empty: no variant system
 
 
+def rounds_config(description: str, name: str, texts: tuple[int, int]) -> Config:
+    """The command line of a bench that runs servers in rounds at TARGET_CLIENTS (tracing,
+    rollout): --quick (1 s points, `texts[0]` texts, into bench/out/<name>-quick/),
+    --duration, --threads, --out; `texts[1]` texts in a full run."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 s points")
+    parser.add_argument("--duration", type=float, default=None, help="seconds a point")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("TORCH_NUM_THREADS") or len(os.sched_getaffinity(0))),
+        help="torch threads of every server (default TORCH_NUM_THREADS, else every core)",
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    quick = args.quick
+    return Config(
+        concurrency=[TARGET_CLIENTS],
+        duration=args.duration or (1.0 if quick else 10.0),
+        warmup=0.5 if quick else 2.0,
+        threads=args.threads,
+        texts=texts[0] if quick else texts[1],
+        cache_seconds=0.0,
+        load_wait=0.0 if quick else 900.0,
+        out=out_folder(args.out, quick, name),
+    )
+
+
 @dataclass
 class Point:
     """One system under one concurrency: what wrk saw, and what the server said about it."""

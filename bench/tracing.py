@@ -23,9 +23,7 @@ Each system's figure is the median of its rounds; the cost is its ratio to off's
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import threading
 from collections.abc import Iterator
@@ -42,14 +40,20 @@ from bench.harness import (
     RunningServer,
     machine,
     machine_words,
-    out_folder,
     sample_texts,
     server,
     wait_for_quiet,
     write_bodies,
     write_report,
 )
-from bench.throughput import CACHE_OFF, TARGET_CLIENTS, Config, Point, measure
+from bench.throughput import (
+    CACHE_OFF,
+    TARGET_CLIENTS,
+    Config,
+    Point,
+    measure,
+    rounds_config,
+)
 
 ROUNDS = 3
 TRACED = {"OTEL_TRACES_SAMPLER": "always_on"}
@@ -221,28 +225,7 @@ def run(config: Config) -> list[Figure]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 s points")
-    parser.add_argument("--duration", type=float, default=None, help="seconds a point")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=int(os.environ.get("TORCH_NUM_THREADS") or len(os.sched_getaffinity(0))),
-        help="torch threads of every server (default TORCH_NUM_THREADS, else every core)",
-    )
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    quick = args.quick
-    config = Config(
-        concurrency=[TARGET_CLIENTS],
-        duration=args.duration or (1.0 if quick else 10.0),
-        warmup=0.5 if quick else 2.0,
-        threads=args.threads,
-        texts=64 if quick else 512,
-        cache_seconds=0.0,
-        load_wait=0.0 if quick else 900.0,
-        out=out_folder(args.out, quick, "tracing"),
-    )
+    config = rounds_config(__doc__.split("\n")[0], "tracing", (64, 512))
     for figure in run(config):
         print(json.dumps(asdict(figure)), flush=True)
 

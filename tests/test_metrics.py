@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.http.app import create_app
 from api.metrics import DASHBOARD_METRICS, GPU_METRICS
-from tests.support.in_process import make_settings, spec_for
+from tests.support.in_process import make_settings, spec_for, wait_for
 from tests.support.tiny_models import TinyModel
 
 
@@ -35,7 +35,10 @@ def total(values: dict[str, float], name: str, **labels: str) -> float:
 def test_metrics_expose_every_dashboard_name_after_traffic(
     tiny_bert: TinyModel, tmp_path: Path
 ) -> None:
-    app = create_app(make_settings(disk_cache_dir=tmp_path / "cache"), [spec_for(tiny_bert)])
+    # A candidate in shadow beside the default, so that the rollout's series fill too.
+    candidate = {"adapter": "promo", "mode": "shadow", "share": 1.0}
+    spec = spec_for(tiny_bert, candidate=candidate)
+    app = create_app(make_settings(disk_cache_dir=tmp_path / "cache"), [spec])
     with TestClient(app) as client:
         while client.get("/ready").status_code != 200:
             time.sleep(0.02)
@@ -43,6 +46,12 @@ def test_metrics_expose_every_dashboard_name_after_traffic(
         client.post("/predict", json={"inputs": ["win a prize"], "adapter": "promo"})
         client.post("/predict", json={"inputs": "win a prize"})  # an LRU hit
         client.post("/predict", json={"inputs": []})  # a rejection
+        # The shadow's comparisons come after the answers: three texts of the default's.
+        wait_for(
+            lambda: client.get("/v1/adapters/tiny/candidate").json()["candidate"]["texts"] == 3,
+            10,
+            "the shadow's comparisons",
+        )
         response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
@@ -62,3 +71,7 @@ def test_metrics_expose_every_dashboard_name_after_traffic(
     assert total(values, "loraserve_latency_target_seconds") == 2.0
     assert total(values, "loraserve_model_info", adapter="promo", quantization="none") == 1
     assert total(values, "process_resident_memory_bytes") > 10_000_000
+    assert total(values, "loraserve_candidate_texts_total", candidate="promo") == 3
+    assert total(values, "loraserve_answer_labels_total", adapter="spam") == 3
+    assert total(values, "loraserve_answer_labels_total", adapter="promo") == 1
+    assert total(values, "loraserve_answer_positive_score_count") == 4

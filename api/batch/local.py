@@ -22,11 +22,16 @@ NO_DEADLINE_SECONDS = 24 * 3600.0
 
 @asynccontextmanager
 async def started_service(
-    settings: Settings, specs: list[ModelSpec] | None = None, follow_adapters_dir: bool = True
+    settings: Settings,
+    specs: list[ModelSpec] | None = None,
+    follow_adapters_dir: bool = True,
+    run_candidates: bool = True,
 ) -> AsyncIterator[Service]:
     """A service core with every model (`specs`, or the models file's) loaded and warmed, until
     the block ends; StartFailed if they did not load."""
-    service = Service(settings, specs, follow_adapters_dir=follow_adapters_dir)
+    service = Service(
+        settings, specs, follow_adapters_dir=follow_adapters_dir, run_candidates=run_candidates
+    )
     await service.start()
     try:
         await service.started()
@@ -55,7 +60,9 @@ async def local_service(
             "max_texts_per_request": max(batch_size, settings.max_texts_per_request),
         }
     )
-    async with started_service(for_a_file, specs, follow_adapters_dir=False) as service:
+    # No candidate runs for a file: each text is answered by its model's default adapter.
+    started = started_service(for_a_file, specs, follow_adapters_dir=False, run_candidates=False)
+    async with started as service:
         yield LocalSource(service, use_cache)
 
 

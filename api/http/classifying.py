@@ -41,7 +41,7 @@ def answer_headers(answer: Answer, model: str) -> dict[str, str]:
         "X-Cache": answer.result.cache_header(answer.cache_tiers),
     }
     if not answer.cascade:
-        headers["X-Adapter"] = answer.adapter or ""
+        headers["X-Adapter"] = answer.adapter_header
     return headers
 
 

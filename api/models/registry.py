@@ -69,10 +69,20 @@ class ServedModel:
     runtime_adapters: frozenset[str] = frozenset()
     # (tokens, seconds) of the probe's forwards at load: where admission's cost fit starts.
     probe_costs: tuple[tuple[int, float], ...] = ()
+    # What a request naming no adapter gets: the models file's default until a candidate is
+    # promoted (api.serving.rollout), changed in one step of the event loop.
+    default_adapter: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.default_adapter = self.loaded.spec.active_default_adapter
 
     @property
     def name(self) -> str:
         return self.loaded.spec.name
+
+    def has_adapter(self, name: str) -> bool:
+        """`name` is one of its adapters: the models file's or one loaded at run time."""
+        return name in self.loaded.adapters or name in self.runtime_adapters
 
     def adapter_for(self, name: str | None) -> str | None:
         """The adapter a request gets: the one named, else the model's default.
@@ -80,8 +90,8 @@ class ServedModel:
         The one place where "no adapter named" becomes the default adapter.
         """
         if name is None:
-            return self.loaded.spec.active_default_adapter
-        if name not in self.loaded.adapters and name not in self.runtime_adapters:
+            return self.default_adapter
+        if not self.has_adapter(name):
             adapters = ", ".join([*self.loaded.adapters, *sorted(self.runtime_adapters)]) or "none"
             raise UnknownName(f"model {self.name!r} has no adapter {name!r}; adapters: {adapters}")
         return name

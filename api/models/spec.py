@@ -52,6 +52,26 @@ class AdapterSpec(BaseModel):
         return name
 
 
+class CandidateSpec(BaseModel):
+    """An adapter tried beside the model's default on live traffic (api.serving.rollout):
+    `shadow` scores a share of the default's texts with it too, off the request's path, and
+    compares; `canary` answers a share of the texts with it (chosen by a hash of the text).
+    The guards roll a candidate back by themselves once `min_texts` are compared."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    adapter: str = Field(pattern=NAME_PATTERN, description="One of the model's adapters.")
+    mode: Literal["shadow", "canary"] = Field(description="shadow or canary.")
+    share: float = Field(gt=0, le=1, description="The share of texts it scores or answers.")
+    max_flip_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Rolled back once more than this share of compared texts change label.",
+    )
+    min_texts: int = Field(200, ge=1, description="Texts compared before a guard may roll it back.")
+
+
 class GgufSource(BaseModel):
     """A GGUF file the base folder is converted from, once, when the folder is missing."""
 
@@ -164,6 +184,10 @@ class ModelSpec(BaseModel):
     default_adapter: str | None = Field(
         None, description="Adapter used when a request names none; the first one if unset."
     )
+    candidate: CandidateSpec | None = Field(
+        None,
+        description="An adapter tried beside the default on live traffic: shadow or canary.",
+    )
     runtime_adapters: bool = Field(
         False,
         description="Accept adapters loaded at run time (the /v1 adapter routes, ADAPTERS_DIR); "
@@ -213,6 +237,8 @@ class ModelSpec(BaseModel):
                 f"model {self.name!r}: runtime_adapters needs at least one adapter of its own "
                 "and a quantization other than dynamic-int8"
             )
+        if self.candidate is not None:
+            self._check_candidate(self.candidate, names)
         if self.labels is not None and len(set(self.labels)) != len(self.labels):
             raise ValueError(f"model {self.name!r}: labels repeat: {self.labels}")
         two_labels = self.labels is None or len(self.labels) == 2
@@ -237,6 +263,26 @@ class ModelSpec(BaseModel):
                     f"{list(self.label_words)}"
                 )
         return self
+
+    def _check_candidate(self, candidate: CandidateSpec, names: list[str]) -> None:
+        if self.quantization == "dynamic-int8":
+            # Its one adapter is merged into the weights before they are quantized: there is
+            # no base left to run a second adapter on.
+            raise ValueError(
+                f"model {self.name!r}: a candidate needs adapters kept beside the base, and "
+                "quantization: dynamic-int8 merges its adapter into the weights: use "
+                "quantization: none (or int8, nf4, fp4 on a GPU)"
+            )
+        if candidate.adapter not in names:
+            raise ValueError(
+                f"model {self.name!r}: candidate {candidate.adapter!r} is not among its "
+                f"adapters {names}"
+            )
+        if candidate.adapter == self.active_default_adapter:
+            raise ValueError(
+                f"model {self.name!r}: candidate {candidate.adapter!r} is already its default "
+                "adapter"
+            )
 
     @property
     def active_default_adapter(self) -> str | None:

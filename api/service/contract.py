@@ -52,6 +52,16 @@ class Answer:
     adapter: str | None  # the adapter of a single model; None for the cascade
     cascade: bool
     cache_tiers: Sequence[str]  # the tiers an answer reports on, in order
+    # Per text, the adapter that answered it, where a canary split the texts between the
+    # default and its candidate (None: `adapter` answered every text).
+    text_adapters: list[str | None] | None = None
+
+    @property
+    def adapter_header(self) -> str:
+        """X-Adapter: the adapter, or one per text (in order) where a canary split them."""
+        if self.text_adapters is not None:
+            return ",".join(name or "" for name in self.text_adapters)
+        return self.adapter or ""
 
 
 class Lifecycle:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from api.metrics import Metrics
-from api.models.predictor import NonFiniteScores, UnservableText
+from api.models.predictor import NonFiniteScores, Scores, UnservableText
 from api.models.registry import Registry, UnknownName
-from api.models.spec import ModelSpec, load_models_file
+from api.models.spec import CandidateSpec, ModelSpec, load_models_file
 from api.observability import record
 from api.service.contract import Answer, ClassifyRequest, Lifecycle, Phase
 from api.service.runners import start_runners
@@ -44,6 +44,8 @@ from api.serving.errors import (
     ServiceError,
 )
 from api.serving.heap import ServingHeap
+from api.serving.rollout import Candidate, Rollout
+from api.serving.rollout.comparison import label_of, positive_score
 from api.serving.unicode import first_lone_surrogate
 from api.settings import Settings
 
@@ -70,7 +72,9 @@ class Service(Lifecycle):
     for the end of it); `close` stops taking work, then stops everything. `on_fatal` is called,
     on the event loop, when a model fails to load, or with a DeviceFailed when a forward pass
     leaves its device unusable (the service is then failed). ADAPTERS_DIR is read before
-    the service turns ready, then followed unless `follow_adapters_dir` is off.
+    the service turns ready, then followed unless `follow_adapters_dir` is off. The models
+    file's candidates start with it unless `run_candidates` is off (a file scored in
+    process is answered by each model's default).
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class Service(Lifecycle):
         specs: list[ModelSpec] | None = None,
         on_fatal: FatalHandler | None = None,
         follow_adapters_dir: bool = True,
+        run_candidates: bool = True,
     ) -> None:
         if settings.transformers_cache is not None:
             logger.warning(
@@ -94,9 +99,12 @@ class Service(Lifecycle):
         self.cascade_names = cascade_models(settings, specs)
         self.on_fatal = on_fatal
         self.follow_adapters_dir = follow_adapters_dir
+        self.run_candidates = run_candidates
         self.cache: ResultCache | None = None
         self.runners: dict[str, ModelRunner] = {}
         self.cascade: Cascade | None = None
+        self.rollouts: dict[str, Rollout] = {}
+        self._shadows: set[asyncio.Task[None]] = set()  # shadow scorings under way
         self.heap = ServingHeap(settings.gc_gen0_threshold)
         self._loading: asyncio.Task[None] | None = None
         self._loaded = asyncio.Event()
@@ -121,6 +129,9 @@ class Service(Lifecycle):
         if self._loading is not None:
             self._loading.cancel()
             await asyncio.gather(self._loading, return_exceptions=True)
+        for shadow in self._shadows:  # nobody waits for them
+            shadow.cancel()
+        await asyncio.gather(*self._shadows, return_exceptions=True)
         await asyncio.gather(*(r.batcher.stop() for r in self.runners.values()))
         await asyncio.gather(*(r.adapters.close() for r in self.runners.values()))
         self.registry.close()
@@ -137,6 +148,7 @@ class Service(Lifecycle):
                 loop.call_soon_threadsafe(self._fail_device, reason)
 
             self.runners = start_runners(self.settings, self.registry, self.metrics, device_failed)
+            self.rollouts = self._rollouts()
             if self.cascade_names is not None:
                 first, second = (self.runners[name] for name in self.cascade_names)
                 threshold, source = cascade_threshold(self.settings, first.served.loaded.spec)
@@ -157,6 +169,20 @@ class Service(Lifecycle):
         self._loaded.set()
         if adapters_dir is not None and self.follow_adapters_dir:
             await adapters_dir.run()  # until close cancels loading
+
+    def _rollouts(self) -> dict[str, Rollout]:
+        """A rollout per model, with the candidates the models file declares."""
+        rollouts: dict[str, Rollout] = {}
+        settings = self.settings
+        for name, runner in self.runners.items():
+            samples = settings.rollout_samples_dir, settings.rollout_samples_max
+            rollout = Rollout(runner.served, self.metrics, *samples)
+            runner.adapters.in_use = rollout.adapter_in_use
+            candidate = runner.served.loaded.spec.candidate
+            if candidate is not None and self.run_candidates:
+                rollout.start(candidate)
+            rollouts[name] = rollout
+        return rollouts
 
     async def _read_adapters_dir(self) -> AdapterFolder | None:
         """Loads what ADAPTERS_DIR holds, before the service turns ready: a restart serves the
@@ -191,6 +217,9 @@ class Service(Lifecycle):
         cache = self.cache if request.use_cache else None
         texts, truncate = request.texts, request.truncate
         is_cascade = request.model == CASCADE_NAME
+        candidate: Candidate | None = None
+        picked: list[int] = []
+        text_adapters: list[str | None] | None = None
         if is_cascade:
             cascade = self.pick_cascade(request.adapter)
             labels = cascade.first.served.loaded.labels
@@ -201,7 +230,15 @@ class Service(Lifecycle):
         else:
             runner, adapter = self.pick_runner(request.model, request.adapter)
             labels = runner.served.loaded.labels
-            work = _single(runner, texts, adapter, truncate, cache, deadline)
+            candidate = self._candidate_for(runner, request.adapter, adapter)
+            picked = [] if candidate is None else candidate.picks(texts)
+            if candidate is not None and candidate.mode == "canary" and picked:
+                text_adapters = [adapter] * len(texts)
+                for index in picked:
+                    text_adapters[index] = candidate.adapter
+                work = _canary(runner, texts, text_adapters, truncate, cache, deadline)
+            else:
+                work = _single(runner, texts, adapter, truncate, cache, deadline)
             adapters = {runner.served.name: adapter}
             record.note_call(runner.served.name, adapter, len(texts))
         try:
@@ -209,13 +246,91 @@ class Service(Lifecycle):
         except Overloaded:
             await hold_refusal(self.settings.refusal_delay_seconds, deadline)
             raise
-        metrics = self.metrics
-        for name in set(answered_by):
-            chosen = adapters[name] or "none"
-            metrics.labelled(metrics.predictions, name, chosen).inc(answered_by.count(name))
+        if not is_cascade and candidate is not None and picked:
+            self._shadow(runner, candidate, texts, picked, result, truncate)
+        split_adapters = None  # per text, only where a canary gave the texts two adapters
+        if text_adapters is None:
+            text_adapters = [adapters[name] for name in answered_by]
+        elif len(set(text_adapters)) == 1:
+            adapter = text_adapters[0]  # the candidate took every text
+        else:
+            split_adapters = text_adapters
+        self._count_answers(answered_by, text_adapters, result.scores)
         tiers = DEFAULT_TIER_NAMES if self.cache is None else self.cache.tier_names
         record.note_cache(result.tiers, tiers)
-        return Answer(result, answered_by, labels, adapter, is_cascade, tiers)
+        return Answer(result, answered_by, labels, adapter, is_cascade, tiers, split_adapters)
+
+    def _candidate_for(
+        self, runner: ModelRunner, asked: str | None, adapter: str | None
+    ) -> Candidate | None:
+        """The candidate standing beside `adapter`, for a request that named no adapter (one
+        naming its adapter gets that one, candidate or not)."""
+        if asked is not None:
+            return None
+        candidate = self.rollouts[runner.served.name].candidate
+        if candidate is None or candidate.served != adapter:
+            return None
+        return candidate
+
+    def _shadow(
+        self,
+        runner: ModelRunner,
+        candidate: Candidate,
+        texts: list[str],
+        picked: list[int],
+        result: Classified,
+        truncate: bool,
+    ) -> None:
+        """Scores the picked texts, after their answer, with the side that did not answer
+        them (the candidate in shadow, the served adapter in a canary), and compares."""
+        chosen = [texts[index] for index in picked]
+        answered: list[Scores | None] = [result.scores[index] for index in picked]
+        shadow_adapter = candidate.adapter if candidate.mode == "shadow" else candidate.served
+        rollout = self.rollouts[runner.served.name]
+        wait = self.settings.shadow_max_wait_seconds
+
+        async def score() -> None:
+            try:
+                scored = await runner.shadow(chosen, shadow_adapter, truncate, wait)
+            except Exception as exc:  # the shadow side failed: no client is told, none waits
+                logger.warning(
+                    "model %s: shadow scoring with %s failed: %s",
+                    runner.served.name,
+                    shadow_adapter,
+                    exc,
+                )
+                runner.batcher.count_shadow_dropped("failed", len(chosen))
+                return
+            if candidate.mode == "shadow":
+                rollout.compare(candidate, chosen, answered, scored)
+            else:
+                rollout.compare(candidate, chosen, scored, answered)
+
+        task = asyncio.create_task(score())
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
+    def _count_answers(
+        self, answered_by: list[str], adapters: list[str | None], scores: list[Scores]
+    ) -> None:
+        """Predictions, labels and positive scores per model and adapter (drift)."""
+        metrics = self.metrics
+        counted: dict[tuple[str, str], list[Scores]] = {}
+        for name, adapter, one in zip(answered_by, adapters, scores, strict=True):
+            counted.setdefault((name, adapter or "none"), []).append(one)
+        for (name, adapter), answers in counted.items():
+            metrics.labelled(metrics.predictions, name, adapter).inc(len(answers))
+            labels = self.runners[name].served.loaded.labels
+            per_label = [0] * len(labels)
+            histogram = metrics.labelled(metrics.answer_positive_score, name, adapter)
+            for one in answers:
+                per_label[label_of(one)] += 1
+                positive = positive_score(one)
+                if positive is not None:
+                    histogram.observe(positive)
+            for label, count in zip(labels, per_label, strict=True):
+                if count:
+                    metrics.labelled(metrics.answer_labels, name, adapter, label).inc(count)
 
     def pick_runner(self, model: str | None, adapter: str | None) -> tuple[ModelRunner, str | None]:
         """The named model's runner (None: the first) and the adapter a request gets."""
@@ -232,6 +347,43 @@ class Service(Lifecycle):
         if adapter is not None:
             raise InvalidInput("the cascade uses each model's default adapter: send no adapter")
         return self.cascade
+
+    # --- rollouts: a candidate beside the default -------------------------------------------
+
+    def rollout(self, model: str | None) -> Rollout:
+        """The rollout of the named model (None: the first)."""
+        try:
+            return self.rollouts[self.registry.get(model).name]
+        except UnknownName as exc:
+            raise NotFound(str(exc)) from None
+
+    def set_candidate(self, model: str | None, spec: CandidateSpec) -> Rollout:
+        """Starts `spec` as the model's candidate (replacing one that stands)."""
+        self.check_serving()
+        rollout = self.rollout(model)
+        rollout.start(spec)
+        return rollout
+
+    def stop_candidate(self, model: str | None) -> Rollout:
+        """Stops the model's candidate; its default stays."""
+        self.check_serving()
+        rollout = self.rollout(model)
+        rollout.stop()
+        return rollout
+
+    def promote_candidate(self, model: str | None) -> Rollout:
+        """The candidate becomes the model's default; the old default stays loaded."""
+        self.check_serving()
+        rollout = self.rollout(model)
+        rollout.promote()
+        return rollout
+
+    def roll_back(self, model: str | None) -> Rollout:
+        """Rolls the standing candidate back, else the last promotion."""
+        self.check_serving()
+        rollout = self.rollout(model)
+        rollout.roll_back()
+        return rollout
 
     # --- adapters at run time ---------------------------------------------------------------
 
@@ -288,6 +440,41 @@ async def _single(
     """One model answers every text."""
     result = await runner.classify(texts, adapter, truncate, cache, deadline)
     return result, [runner.served.name] * len(texts)
+
+
+async def _canary(
+    runner: ModelRunner,
+    texts: list[str],
+    text_adapters: list[str | None],
+    truncate: bool,
+    cache: ResultCache | None,
+    deadline: float,
+) -> tuple[Classified, list[str]]:
+    """Each text answered by its adapter (a canary's or the default), in one go: the groups
+    are submitted together, so they meet in the same batches; the answers back in order."""
+    groups: dict[str | None, list[int]] = {}
+    for index, adapter in enumerate(text_adapters):
+        groups.setdefault(adapter, []).append(index)
+    tasks = [
+        asyncio.ensure_future(
+            runner.classify([texts[i] for i in indexes], adapter, truncate, cache, deadline)
+        )
+        for adapter, indexes in groups.items()
+    ]
+    try:
+        parts = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:  # one group refused or failed: the other is not waited for
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    scores: list[Scores | None] = [None] * len(texts)
+    tiers = [""] * len(texts)
+    for indexes, part in zip(groups.values(), parts, strict=True):
+        for index, one, tier in zip(indexes, part.scores, part.tiers, strict=True):
+            scores[index], tiers[index] = one, tier
+    answered = [one for one in scores if one is not None]
+    return Classified(answered, tiers), [runner.served.name] * len(texts)
 
 
 async def refused_as_service_errors(work: Coroutine[Any, Any, Result]) -> Result:

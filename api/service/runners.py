@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from api.metrics import Metrics
+from api.metrics import SHADOW_DROP_REASONS, Metrics
 from api.models.faults import is_fatal_device_error
 from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
@@ -110,6 +110,12 @@ def _batcher(
             metrics.non_finite_rows.labels(name).inc(failed)
         return results
 
+    for reason in SHADOW_DROP_REASONS:  # at 0 from the start: rates defined at once
+        metrics.shadow_rows_dropped.labels(name, reason)
+
+    def on_shadow_drop(reason: str, rows: int) -> None:
+        metrics.labelled(metrics.shadow_rows_dropped, name, reason).inc(rows)
+
     batcher: Batcher[Scores] = Batcher(
         predict_batch,
         limits,
@@ -118,6 +124,8 @@ def _batcher(
         on_batch=on_batch,
         on_drop=lambda reason: metrics.batch_dropped.labels(name, reason).inc(),
         on_out_of_memory=served.predictor.release_memory,
+        max_shadow_rows=settings.shadow_max_queued_rows,
+        on_shadow_drop=on_shadow_drop,
     )
     metrics.queue_depth.labels(name).set_function(lambda: batcher.queued_rows)
     batcher.start()

@@ -138,6 +138,9 @@ class AdapterSet:
         self._adapters: dict[str, RuntimeAdapter] = {}
         self._versions = 0
         self._changing = asyncio.Lock()  # one load or unload at a time
+        # Why a run-time adapter must stay (its rollout's say: the default, a candidate);
+        # None: it may go. Set by the service core.
+        self.in_use: Callable[[str], str | None] = lambda name: None
         self._tasks: set[asyncio.Task[float]] = set()
         name = served.name
         for result in ADAPTER_LOAD_RESULTS:
@@ -303,6 +306,11 @@ class AdapterSet:
                 self._check_owner(name, source, None)
                 raise UnknownName(f"model {self.served.name!r} has no run-time adapter {name!r}")
             self._check_owner(name, source, current)
+            kept_for = self.in_use(name)
+            if kept_for is not None:
+                raise AdapterConflict(
+                    f"adapter {name!r} of model {self.served.name!r} stays loaded: {kept_for}"
+                )
             info = self._info(current)
             del self._adapters[name]
             self._publish()

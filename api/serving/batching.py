@@ -40,6 +40,14 @@ class BatchFailed(Exception):
     """The forward pass of the batch holding this request failed."""
 
 
+class ShadowDropped(Exception):
+    """A shadow row that was not scored, and why (see `Batcher.shadow`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"shadow row dropped: {reason}")
+        self.reason = reason
+
+
 @dataclass
 class BatchStats:
     """What one run reported, for metrics."""
@@ -136,6 +144,7 @@ class _Row(Generic[Result]):
     waiters: int = 0
     started: bool = False
     requests: list[_Request] = field(default_factory=list)
+    shadow: bool = False  # no client waits for it (see Batcher.shadow)
 
 
 @dataclass(eq=False)
@@ -207,6 +216,8 @@ class Batcher(Generic[Result]):
         on_batch: Observer | None = None,
         on_drop: Callable[[str], None] | None = None,
         on_out_of_memory: Callable[[], None] | None = None,
+        max_shadow_rows: int = 0,
+        on_shadow_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self._predict = predict_batch
         self.limits = limits
@@ -229,6 +240,10 @@ class Batcher(Generic[Result]):
         # Set as each batch ends: the rows the next batch waits for, and until when.
         self._refill_rows = 0
         self._refill_until = 0.0
+        # Rows no client waits for (a candidate adapter's, see `shadow`), oldest first.
+        self._shadow: list[_Row[Result]] = []
+        self._max_shadow_rows = max_shadow_rows
+        self._on_shadow_drop = on_shadow_drop
 
     @property
     def queued_rows(self) -> int:
@@ -284,6 +299,9 @@ class Batcher(Generic[Result]):
                 _settle(row)
         self._pending.clear()
         self._waited_lengths.clear()
+        for row in self._shadow:
+            self._drop_shadow(row.future, "stopped")
+        self._shadow.clear()
 
     async def submit(
         self, rows: list[list[int]], adapters: list[str | None], timeout: float
@@ -327,9 +345,90 @@ class Batcher(Generic[Result]):
                 if row.waiters == 0 and _is_pending(row):
                     self._waited_lengths[len(row.ids)] -= 1
 
+    def busy(self) -> bool:
+        """More client rows wait than one batch takes: shadow rows would only wait and drop."""
+        return len(self._pending) >= self.limits.max_batch_size
+
+    async def shadow(
+        self, rows: list[list[int]], adapters: list[str | None], wait: float
+    ) -> list[Result | None]:
+        """Scores rows no client waits for, at the lowest priority; None for each row dropped.
+
+        A shadow row never delays a client's row: it joins only a batch that takes every
+        client row waiting, within that batch's limits, and runs in a forward of its own once
+        the batch's client rows have their answers; while no client row waits, shadow rows
+        make a batch of their own. It is dropped (counted by reason, `on_shadow_drop`) when
+        more client rows wait than one batch takes as it comes (busy), when `max_shadow_rows`
+        are queued (queue_full), when no batch had room for it within `wait` seconds
+        (no_room), or when the batcher stops (stopped). Shadow rows count in no request limit
+        and in no backlog that admission weighs: clients are admitted as if they were not
+        there.
+        """
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        futures: list[asyncio.Future[Result]] = []
+        busy = self.busy()
+        for ids, adapter in zip(rows, adapters, strict=True):
+            future: asyncio.Future[Result] = loop.create_future()
+            future.add_done_callback(_retrieve)
+            futures.append(future)
+            if busy:
+                self._drop_shadow(future, "busy")
+            elif len(self._shadow) >= self._max_shadow_rows:
+                self._drop_shadow(future, "queue_full")
+            else:
+                key = (adapter, tuple(ids))
+                row = _Row(key, ids, adapter, future, now, now + wait, waiters=1, shadow=True)
+                self._shadow.append(row)
+        if self._shadow:
+            self._arrived.set()
+        settled = await asyncio.gather(*futures, return_exceptions=True)
+        results: list[Result | None] = []
+        for result in settled:
+            if isinstance(result, ShadowDropped):
+                results.append(None)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                results.append(result)
+        return results
+
+    def count_shadow_dropped(self, reason: str, rows: int) -> None:
+        """Counts shadow rows its caller dropped before they came here (busy)."""
+        if self._on_shadow_drop is not None and rows:
+            self._on_shadow_drop(reason, rows)
+
+    def _drop_shadow(self, future: asyncio.Future[Result], reason: str) -> None:
+        if not future.done():
+            future.set_exception(ShadowDropped(reason))
+            if self._on_shadow_drop is not None:
+                self._on_shadow_drop(reason, 1)
+
+    def _add_shadow(self, batch: _Batch[Result], now: float) -> None:
+        """Shadow rows into the room `batch` leaves, the oldest first; those past their time
+        are dropped."""
+        kept: list[_Row[Result]] = []
+        for row in self._shadow:
+            if row.future.done():
+                continue
+            if row.deadline <= now:
+                self._drop_shadow(row.future, "no_room")
+            elif self._has_room(batch, row):
+                batch.add(row)
+                row.started = True
+            else:
+                kept.append(row)
+        self._shadow = kept
+
+    def _has_room(self, batch: _Batch[Result], row: _Row[Result]) -> bool:
+        limits = self.limits
+        if len(batch.rows) >= limits.max_batch_size:
+            return False
+        return not batch.rows or batch.tokens(len(row.ids)) <= limits.max_batch_tokens
+
     async def _collect(self) -> None:
         while True:
-            while not self._pending:
+            while not self._pending and not self._shadow:
                 self._arrived.clear()
                 await self._arrived.wait()
             await self._slot.acquire()
@@ -372,7 +471,8 @@ class Batcher(Generic[Result]):
         return pending.tokens() >= self.limits.max_batch_tokens
 
     def _take_batch(self) -> _Batch[Result]:
-        """Drops cancelled and late rows, then takes the next batch (see `_choose`)."""
+        """Drops cancelled and late rows, then takes the next batch (see `_choose`), with
+        shadow rows in what room it leaves (see `shadow`)."""
         now = time.monotonic()
         live: list[_Row[Result]] = []
         for row in self._pending:
@@ -385,13 +485,17 @@ class Batcher(Generic[Result]):
         if not live:
             self._pending = []
             self._waited_lengths.clear()
-            return _Batch(self.limits.packed)
+            batch: _Batch[Result] = _Batch(self.limits.packed)
+            self._add_shadow(batch, now)
+            return batch
         batch = self._choose(live)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
         self._waited_lengths = Counter(len(row.ids) for row in self._pending)
         for row in batch.rows:
             row.started = True
+        if self._shadow and not self._pending:
+            self._add_shadow(batch, now)
         return batch
 
     def _choose(self, live: list[_Row[Result]]) -> _Batch[Result]:
@@ -437,21 +541,14 @@ class Batcher(Generic[Result]):
             self._on_drop(reason)
 
     async def _run(self, batch: _Batch[Result]) -> None:
+        """Runs the batch's client rows, then, once they have their answers, its shadow rows
+        in a forward of their own (a peft model runs one adapter per forward anyway)."""
         try:
-            started = time.monotonic()
-            self._running_batch, self._running_since = batch, started
-            with _batch_span(batch):
-                succeeded = await self._run_rows(batch.rows)
-            if self._on_batch is not None:
-                self._on_batch(
-                    BatchStats(
-                        rows=len(batch.rows),
-                        tokens=batch.tokens(),
-                        queue_seconds=[started - row.enqueued for row in batch.rows],
-                        run_seconds=time.monotonic() - started,
-                        failed=not succeeded,
-                    )
-                )
+            clients = [row for row in batch.rows if not row.shadow]
+            shadows = [row for row in batch.rows if row.shadow]
+            for rows in (clients, shadows):
+                if rows:
+                    await self._run_part(rows)
         finally:
             self._running_batch = None
             for row in batch.rows:
@@ -459,6 +556,25 @@ class Batcher(Generic[Result]):
                     del self._inflight[row.key]
             self._expect_refill(batch.rows)
             self._slot.release()
+
+    async def _run_part(self, rows: list[_Row[Result]]) -> None:
+        part: _Batch[Result] = _Batch(self.limits.packed)
+        for row in rows:
+            part.add(row)
+        started = time.monotonic()
+        self._running_batch, self._running_since = part, started
+        with _batch_span(part):
+            succeeded = await self._run_rows(part.rows)
+        if self._on_batch is not None:
+            self._on_batch(
+                BatchStats(
+                    rows=len(part.rows),
+                    tokens=part.tokens(),
+                    queue_seconds=[started - row.enqueued for row in rows if not row.shadow],
+                    run_seconds=time.monotonic() - started,
+                    failed=not succeeded,
+                )
+            )
 
     def _expect_refill(self, rows: list[_Row[Result]]) -> None:
         """After a batch: the requests it answered in full may send as many rows again."""

@@ -99,6 +99,26 @@ class ModelRunner:
         finally:
             self.adapters.release(lease)
 
+    async def shadow(
+        self, texts: list[str], adapter: str | None, truncate: bool, wait: float
+    ) -> list[Scores | None]:
+        """Scores the texts with `adapter` for nobody waiting (the side of a rollout that did
+        not answer them), as shadow rows, the first the batcher drops when short of room (see
+        `Batcher.shadow`); None for each text dropped. The caches are neither read nor
+        written: the clients' hit ratio and the entries they hold stay as they would be
+        without a candidate."""
+        if self.batcher.busy():  # dropped before any tokenizing
+            self.batcher.count_shadow_dropped("busy", len(texts))
+            return [None] * len(texts)
+        deadline = time.monotonic() + wait
+        lease = await self.adapters.lease(adapter, deadline)
+        try:
+            rows = await self._encoder.encode(texts, truncate)
+            left = max(0.0, deadline - time.monotonic())
+            return await self.batcher.shadow(rows, [lease.adapter] * len(rows), left)
+        finally:
+            self.adapters.release(lease)
+
     async def _look_up(
         self, texts: list[str], identity: AnswerIdentity, truncate: bool, cache: ResultCache
     ) -> Lookup:

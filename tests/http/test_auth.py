@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.http.app import create_app
-from api.http.middleware.auth import ADMIN_PATHS, OPEN_PATHS
+from api.http.middleware.auth import OPEN_PATHS, is_admin_route
 from tests.support.app_routes import walk
 from tests.support.in_process import make_settings, spec_for
 from tests.support.tiny_models import TinyModel
@@ -65,7 +65,8 @@ def test_every_route_but_the_allow_list_needs_the_key(
     }
     assert {path for _, path in routes} >= {"/v2", "/v2/models/{name}/infer"}
     for method, template in routes:
-        path = template.replace("{name}", "tiny")  # the served model: its routes answer 200
+        # The served model: its routes answer 200.
+        path = template.replace("{name}", "tiny").replace("{model}", "tiny")
         body = bodies.get(path, {"inputs": "win"}) if method == "POST" else None
         without = client.request(method, path, json=body)
         wrong = client.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
@@ -73,7 +74,7 @@ def test_every_route_but_the_allow_list_needs_the_key(
         if path in OPEN_PATHS:
             assert without.status_code == 200, path
             continue
-        if path in ADMIN_PATHS:  # closed without ADMIN_API_KEY, whatever the key given
+        if is_admin_route(path, method):  # closed without ADMIN_API_KEY, whatever the key
             for closed in (without, wrong, right):
                 assert closed.status_code == 403, (method, path)
                 assert "ADMIN_API_KEY" in closed.json()["error"]["message"]

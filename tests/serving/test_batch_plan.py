@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -77,13 +76,6 @@ def test_the_cost_models_plan_is_the_row_by_row_plan() -> None:
         counted: dict[int, int] = dict(Counter(lengths))
         counted[1000 + seed] = chosen.choice([0, -1])
         assert planned_work(counted, limits) == longest_first_row_by_row(lengths, limits), seed
-
-
-@pytest.fixture
-async def executor() -> AsyncIterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=1)
-    yield pool
-    pool.shutdown(wait=False)
 
 
 async def batches_formed(

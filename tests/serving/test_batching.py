@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,13 +19,6 @@ from api.serving.batching import (
 )
 from api.serving.errors import DeadlineExceeded
 from tests.support.fake_predictor import FakePredictor
-
-
-@pytest.fixture
-async def executor() -> AsyncIterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=1)
-    yield pool
-    pool.shutdown(wait=False)
 
 
 def batcher_for(

@@ -5,6 +5,7 @@ to it alone."""
 from __future__ import annotations
 
 import hmac
+import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -15,19 +16,30 @@ from api.serving.errors import Forbidden
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 # Routes that change what is served (and read folders of the server): ADMIN_API_KEY's alone.
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# A model's rollout: promote and roll back, and a candidate set or stopped (reading it, GET,
+# is no change).
+ADMIN_ROLLOUT = re.compile(r"/v1/adapters/[^/]+/(promote|rollback)")
+CANDIDATE = re.compile(r"/v1/adapters/[^/]+/candidate")
 ADMIN_CLOSED = (
-    "loading and unloading adapters is closed: set ADMIN_API_KEY to open these routes to "
-    "that key (API_KEY does not open them)"
+    "changing adapters (loading, unloading, candidates, promotion) is closed: set "
+    "ADMIN_API_KEY to open these routes to that key (API_KEY does not open them)"
 )
+
+
+def is_admin_route(path: str, method: str) -> bool:
+    """The request changes which adapters are served or how."""
+    if path in ADMIN_PATHS or ADMIN_ROLLOUT.fullmatch(path):
+        return True
+    return method not in ("GET", "HEAD") and CANDIDATE.fullmatch(path) is not None
 
 
 class ApiKeyGuard:
     """Refuses requests without the right key with 401 and `WWW-Authenticate: Bearer`.
 
-    With `api_key`, every path but OPEN_PATHS needs it (or the admin key); ADMIN_PATHS need
-    `admin_key`, and without one answer 403 to everybody. A middleware rather than
-    a route dependency, so a route added later cannot forget it. Keys are compared in
-    constant time and never written to logs or error bodies.
+    With `api_key`, every path but OPEN_PATHS needs it (or the admin key); the admin routes
+    (`is_admin_route`) need `admin_key`, and without one answer 403 to everybody. A
+    middleware rather than a route dependency, so a route added later cannot forget it. Keys
+    are compared in constant time and never written to logs or error bodies.
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None = None) -> None:
@@ -40,7 +52,7 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         accepted: list[bytes]
-        if scope["path"] in ADMIN_PATHS:
+        if is_admin_route(scope["path"], scope["method"]):
             if self._admin is None:
                 await response_for(Forbidden(ADMIN_CLOSED), scope["path"])(scope, receive, send)
                 return

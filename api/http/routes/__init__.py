@@ -3,7 +3,7 @@ the routes that report on the service."""
 
 from fastapi import APIRouter
 
-from api.http.routes import adapters, oip, status, tei
+from api.http.routes import adapters, oip, rollout, status, tei
 
 # Included into the app one by one, not through a router of routers: FastAPI walks every
 # level of inclusion on every request, and /predict is matched first.
@@ -13,4 +13,5 @@ ROUTERS: tuple[APIRouter, ...] = (
     oip.router,
     oip.infer_router,
     adapters.router,
+    rollout.router,
 )

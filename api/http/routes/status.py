@@ -58,7 +58,7 @@ def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
         labels=loaded.labels,
         max_length=spec.max_length,
         adapters=loaded.adapters,
-        default_adapter=spec.active_default_adapter,
+        default_adapter=served.default_adapter,
         adapter_mode=mode,
         weight_bytes=loaded.weight_bytes,
         load_seconds={phase: round(seconds, 4) for phase, seconds in loaded.phases.items()},

@@ -23,7 +23,7 @@ import msgspec
 
 # Bumped whenever a message changes: a front end and a model side of two releases (a
 # rolling update) refuse each other at once instead of misreading every call.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 LENGTH = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 1 << 30
 # Bytes a side lets wait for its peer to read before it takes no more work for it: a peer
@@ -89,6 +89,7 @@ class Answered(msgspec.Struct, array_like=True, tag="done"):
     adapter: str | None
     cascade: bool
     cache_tiers: list[str]
+    text_adapters: list[str | None] | None = None  # per text, where a canary split them
 
 
 class Refused(msgspec.Struct, array_like=True, tag="refused"):

@@ -197,6 +197,7 @@ class ModelSide:
                 answer.adapter,
                 answer.cascade,
                 list(answer.cache_tiers),
+                answer.text_adapters,
             )
         )
 

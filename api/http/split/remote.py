@@ -234,7 +234,13 @@ class RemoteService(Lifecycle):
         record.note_call(request.model or reply.answered_by[0], reply.adapter, len(request.texts))
         record.note_cache(reply.tiers, reply.cache_tiers)
         return Answer(
-            result, reply.answered_by, reply.labels, reply.adapter, reply.cascade, reply.cache_tiers
+            result,
+            reply.answered_by,
+            reply.labels,
+            reply.adapter,
+            reply.cascade,
+            reply.cache_tiers,
+            reply.text_adapters,
         )
 
 
