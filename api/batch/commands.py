@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -38,7 +39,7 @@ from api.batch.rows import (
     read_rows,
 )
 from api.batch.run import Run, Tally, score_file
-from api.batch.scoring import Refused, ScoringFailed, Source, Target
+from api.batch.scoring import Refused, ScoringFailed, Servable, Source, Target
 from api.cpus import CpuPinningError, pin_process
 from api.models.spec import ModelsFileError, load_models_file
 from api.service.core import StartFailed
@@ -97,6 +98,15 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     judge.add_argument("--cost-fp", type=float, default=1.0, help="cost of a false positive")
     judge.add_argument("--cost-fn", type=float, default=1.0, help="cost of a false negative")
+    judge.add_argument(
+        "--target-ham-fpr",
+        action="append",
+        default=[],
+        type=fpr_target,
+        metavar="RATE",
+        help="the highest share of the first label's rows (ham) called the second (spam): "
+        "report the decision_threshold that meets it with the best recall (repeat for more)",
+    )
     judge.add_argument("--json", type=Path, help="write the metrics as JSON to this file")
     judge.add_argument(
         "--report",
@@ -138,6 +148,28 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--url", help="score against the server at this URL (API key: API_KEY in the env)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def fpr_target(text: str) -> float:
+    """A false-positive rate to meet: a number above 0 and below 1 (0 cannot be told on a
+    file, and 1 needs no threshold)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value < 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate above 0 and below 1, e.g. 0.01")
+    return value
+
+
+def check_target_fpr(servable: Servable) -> None:
+    """--target-ham-fpr's threshold is a `decision_threshold`: a two-label softmax model's."""
+    if len(servable.labels) != 2 or servable.multi_label:
+        kind = "multi-label" if servable.multi_label else f"{len(servable.labels)} labels"
+        raise UsageError(
+            f"--target-ham-fpr needs a two-label model, as decision_threshold does: "
+            f"{servable.column} is {kind} ({', '.join(servable.labels)})"
+        )
 
 
 def columns_of(args: argparse.Namespace, label: str | None = None) -> Columns:
@@ -265,6 +297,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
     def expected(row: Row) -> str | None:
         return None if row.label is None else mapping.get(row.label, row.label)
 
+    targets_fpr = list(dict.fromkeys(args.target_ham_fpr))  # each once, as given
     targets = [Target(args.model), *(Target(args.model, a) for a in args.adapter)]
     if args.cascade:
         targets = [Target(), Target(cascade=True)]
@@ -275,6 +308,8 @@ async def run_evaluate(args: argparse.Namespace) -> int:
             servable = await source.describe(target)
             if servable.column in judged_by:
                 continue  # the default named again
+            if targets_fpr:
+                check_target_fpr(servable)
             # The predicted label's score is the disagreements' only: kept when they can be.
             judged = Judgements(servable.labels, compared=len(targets) > 1)
             scored = None
@@ -296,7 +331,7 @@ async def run_evaluate(args: argparse.Namespace) -> int:
                 if scored is not None:
                     scored.close()
             judged_by[servable.column] = judged
-            reports.append(evaluate(servable, judged, args.cost_fp, args.cost_fn))
+            reports.append(evaluate(servable, judged, args.cost_fp, args.cost_fn, targets_fpr))
             labels = servable.labels
     apart = disagreeing_rows(judged_by) if len(judged_by) > 1 else []
     print(terminal_table(reports, len(apart)))

@@ -25,6 +25,14 @@ from typing import Any
 
 from api.batch.rows import Row
 from api.batch.scoring import Outcome, Ranked, Servable
+from api.batch.target_fpr import (
+    allowed_false_positives,
+    lowest_cut,
+    negatives_needed,
+    shortest_between,
+)
+from api.serving.activations import sigmoid
+from api.serving.cascade import CASCADE_NAME
 
 SERVED_DECISION = 0.5
 THRESHOLD_DECIMALS = 6
@@ -106,11 +114,15 @@ def f1(precision: float, recall: float) -> float:
 
 
 def evaluate(
-    servable: Servable, judged: Judgements, cost_fp: float, cost_fn: float
+    servable: Servable,
+    judged: Judgements,
+    cost_fp: float,
+    cost_fn: float,
+    target_fprs: Sequence[float] = (),
 ) -> dict[str, Any]:
     """Rows, accuracy, per-label precision/recall/F1, the negative label's false-positive
-    rate, the confusion matrix, and for two labels the metrics at the decision threshold and
-    at the threshold of least cost."""
+    rate, the confusion matrix, and for two labels the metrics at the decision threshold, at
+    the threshold of least cost and at the threshold meeting each of `target_fprs`."""
     labels = servable.labels
     pairs = Counter(zip(judged.expected, judged.predicted, strict=True))
     errors = sum(n for (_, predicted), n in pairs.items() if predicted == NO_LABEL)
@@ -143,7 +155,7 @@ def evaluate(
         "confusion": confusion,
     }
     if len(labels) == 2:
-        report["thresholds"] = thresholds(servable, judged.sweep(), cost_fp, cost_fn)
+        report["thresholds"] = thresholds(servable, judged.sweep(), cost_fp, cost_fn, target_fprs)
     return report
 
 
@@ -225,11 +237,18 @@ def least_cost(sweep: Sweep, cost_fp: float, cost_fn: float) -> float:
     return best
 
 
-def thresholds(servable: Servable, sweep: Sweep, cost_fp: float, cost_fn: float) -> dict[str, Any]:
-    """The metrics at the decision threshold and at the served threshold of least
-    cost_fp × false positives + cost_fn × false negatives (ties: the one nearest 0.5)."""
+def thresholds(
+    servable: Servable,
+    sweep: Sweep,
+    cost_fp: float,
+    cost_fn: float,
+    target_fprs: Sequence[float] = (),
+) -> dict[str, Any]:
+    """The metrics at the decision threshold, at the served threshold of least
+    cost_fp × false positives + cost_fn × false negatives (ties: the one nearest 0.5), and
+    at the threshold meeting each of `target_fprs` (none given: no such entry)."""
     best = least_cost(sweep, cost_fp, cost_fn)
-    return {
+    found: dict[str, Any] = {
         "positive_label": servable.labels[1],
         "cost_fp": cost_fp,
         "cost_fn": cost_fn,
@@ -244,6 +263,50 @@ def thresholds(servable: Servable, sweep: Sweep, cost_fp: float, cost_fn: float)
             **sweep.at(best, cost_fp, cost_fn),
         },
     }
+    if target_fprs:
+        found["target_ham_fpr"] = [
+            at_target_fpr(servable, sweep, target, cost_fp, cost_fn) for target in target_fprs
+        ]
+    return found
+
+
+def at_target_fpr(
+    servable: Servable, sweep: Sweep, target: float, cost_fp: float, cost_fn: float
+) -> dict[str, Any]:
+    """The metrics at the lowest threshold whose negative label's false-positive rate is at
+    most `target` (the best recall at that rate), that threshold as the models file's
+    `decision_threshold` would be, and the served one; where none can be told, why not."""
+    negative = servable.labels[0]
+    negatives = len(sweep.negatives)
+    allowed = allowed_false_positives(negatives, target)
+    entry: dict[str, Any] = {
+        "target": target,
+        "negatives": negatives,
+        "allowed_false_positives": allowed,
+        "served_threshold": None,
+        "model_threshold": None,
+    }
+    if servable.model == CASCADE_NAME:  # its scores are two models', each on its own scale
+        return {**entry, "reason": "the cascade has no decision_threshold of its own"}
+    if negatives == 0:
+        return {**entry, "reason": f"no {negative} rows"}
+    if allowed == 0:  # only "above every negative" meets it: the file cannot tell it from 0
+        needed = negatives_needed(target)
+        return {**entry, "reason": f"too few {negative} rows: {negatives}, {needed} needed"}
+    cut, above = lowest_cut(sweep.negatives, sweep.positives, allowed)
+    # Served scores are a monotone function of the model's: the same cut on its scale, where
+    # any value between the two scores makes it.
+    low = model_score(cut, servable.decision_threshold)
+    high = 1.0 if above is None else model_score(above, servable.decision_threshold)
+    chosen = shortest_between(low, high)
+    if chosen is None:
+        return {**entry, "reason": f"no value in (0, 1) between scores {low!r} and {high!r}"}
+    return {
+        **entry,
+        "served_threshold": served_score(chosen, servable.decision_threshold),
+        "model_threshold": chosen,
+        **sweep.at(cut, cost_fp, cost_fn),
+    }
 
 
 def logit(p: float) -> float:
@@ -252,12 +315,28 @@ def logit(p: float) -> float:
 
 def model_threshold(served: float, decision_threshold: float | None) -> float:
     """A served-score threshold on the model's own probability scale (what
-    `decision_threshold` in the models file would be): served scores are the model's with
-    logit(decision_threshold) taken off the positive label's logit."""
+    `decision_threshold` in the models file would be), rounded as the models file has it."""
     if served <= 0.0 or served >= 1.0:
         return served
-    shift = logit(decision_threshold) if decision_threshold is not None else 0.0
-    return round(1.0 / (1.0 + math.exp(-(logit(served) + shift))), THRESHOLD_DECIMALS)
+    return round(model_score(served, decision_threshold), THRESHOLD_DECIMALS)
+
+
+def model_score(served: float, decision_threshold: float | None) -> float:
+    """A served score on the model's own probability scale: served scores are the model's
+    with logit(decision_threshold) taken off the positive label's logit."""
+    return rescaled(served, decision_threshold, 1.0)
+
+
+def served_score(model: float, decision_threshold: float | None) -> float:
+    """A score on the model's own probability scale as the server serves it."""
+    return rescaled(model, decision_threshold, -1.0)
+
+
+def rescaled(score: float, decision_threshold: float | None, sign: float) -> float:
+    """sigmoid(logit(score) + sign × logit(decision_threshold)); 0 and 1 stay."""
+    if score <= 0.0 or score >= 1.0 or decision_threshold is None:
+        return score
+    return sigmoid(logit(score) + sign * logit(decision_threshold))
 
 
 def disagreeing_rows(columns: Mapping[str, Judgements]) -> array[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from api.batch.scoring import Outcome, Servable, Target, refusal_of
+from api.batch.scoring import MULTI_LABEL, Outcome, Servable, Target, refusal_of
 from api.models.spec import ModelSpec
 from api.service.contract import ClassifyRequest
 from api.service.core import Service
@@ -95,6 +95,7 @@ class LocalSource:
                 r.served.name: r.identities[a].digest
                 for r, a in zip(runners, adapters, strict=True)
             },
+            multi_label=first.problem_type == MULTI_LABEL,
         )
 
     async def score(self, target: Target, texts: list[str], truncate: bool) -> list[Outcome]:

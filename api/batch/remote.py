@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from api.batch.scoring import Outcome, Refused, Servable, Target
+from api.batch.scoring import MULTI_LABEL, Outcome, Refused, Servable, Target
 from api.serving.cascade import CASCADE_NAME
 from api.serving.errors import NotFound
 
@@ -64,6 +64,7 @@ class RemoteSource:
                 m["name"]: identity_of(m, a)["digest"]
                 for m, a in zip(chosen, adapters, strict=True)
             },
+            multi_label=components_of(chosen[0], adapters[0]).get("problem_type") == MULTI_LABEL,
         )
 
     async def score(self, target: Target, texts: list[str], truncate: bool) -> list[Outcome]:
@@ -113,9 +114,15 @@ def identity_of(model: dict[str, Any], adapter: str | None) -> dict[str, Any]:
     raise Refused(NotFound.code, f"model {model['name']!r} has no adapter {adapter!r}")
 
 
+def components_of(model: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    """What the answer identity of `model` with `adapter` records: its numerics among them."""
+    components: dict[str, Any] = identity_of(model, adapter)["components"]
+    return components
+
+
 def threshold_of(model: dict[str, Any], adapter: str | None) -> float | None:
     """The model's decision threshold, as its answer identity records it."""
-    threshold = identity_of(model, adapter)["components"].get("decision_threshold")
+    threshold = components_of(model, adapter).get("decision_threshold")
     return None if threshold is None else float(threshold)
 
 

@@ -56,7 +56,48 @@ def metric_rows(reports: Sequence[Report]) -> list[tuple[str, list[str]]]:
             for metric in ("accuracy", "precision", "recall", "false_positive_rate"):
                 add(f"  {metric}", [pct(r["thresholds"][key][metric]) for r in reports])
             add("  cost", [f"{r['thresholds'][key]['cost']:g}" for r in reports])
+        rows += target_fpr_rows(reports)
     return rows
+
+
+def pct_in_full(value: float) -> str:
+    """A target rate in full: 0.001 as 0.1 %, where pct would round 0.00001 to 0.00 %."""
+    return f"{100 * value:g} %"
+
+
+def target_fpr_rows(reports: Sequence[Report]) -> list[tuple[str, list[str]]]:
+    """Per --target-ham-fpr, the models file's threshold meeting it (or none, and why), and
+    the metrics there."""
+    if not all("target_ham_fpr" in r["thresholds"] for r in reports):
+        return []
+    negative, positive = reports[0]["negative_label"], reports[0]["thresholds"]["positive_label"]
+    rows: list[tuple[str, list[str]]] = []
+    for index, first in enumerate(reports[0]["thresholds"]["target_ham_fpr"]):
+        found = [r["thresholds"]["target_ham_fpr"][index] for r in reports]
+        rows.append(
+            (
+                f"{negative} FPR ≤ {pct_in_full(first['target'])}: decision_threshold",
+                [
+                    f"none: {f['reason']}" if f["model_threshold"] is None else threshold(f)
+                    for f in found
+                ],
+            )
+        )
+        for metric in ("recall", "precision", "false_positive_rate"):
+            rows.append((f"  {metric}", [pct(f[metric]) if metric in f else "" for f in found]))
+        rows.append(
+            (
+                f"  {negative} → {positive}",
+                [f"{f['fp']} of {f['negatives']}" if "fp" in f else "" for f in found],
+            )
+        )
+    return rows
+
+
+def threshold(found: dict[str, Any]) -> str:
+    """The threshold as written in the models file: every digit it was chosen with (repr),
+    so that the file makes the cut reported."""
+    return repr(found["model_threshold"])
 
 
 def terminal_table(reports: Sequence[Report], disagreeing: int) -> str:
@@ -108,6 +149,8 @@ def markdown(
             "these rows (ties go to the one nearest 0.5); chosen on the rows it is scored on, "
             "it is an optimistic figure.",
         ]
+        if "target_ham_fpr" in t:
+            lines += ["", *target_fpr_text(reports)]
     if len(reports) > 1:
         lines += ["", f"## Rows where they disagree ({disagreeing_count})", ""]
         if disagreeing:
@@ -129,6 +172,36 @@ def markdown(
     else:
         lines.append("No plots: matplotlib is not installed (`pip install 'loraserve[report]'`).")
     return "\n".join(lines) + "\n"
+
+
+def target_fpr_text(reports: Sequence[Report]) -> list[str]:
+    """What the --target-ham-fpr rows mean, and each threshold as the models file takes it."""
+    negative = reports[0]["negative_label"]
+    positive = reports[0]["thresholds"]["positive_label"]
+    lines = [
+        f"{negative} FPR ≤ target (`--target-ham-fpr`): the lowest threshold at which at most "
+        f"that share of the `{negative}` rows scores above it, so the best `{positive}` "
+        "recall at that rate. "
+        "It is on the model's own probabilities: the `decision_threshold` to write in the "
+        "models file, strictly between two scores of these rows, with as many digits as keep "
+        f"it there. With fewer `{negative}` rows than one false positive needs, none is "
+        "given: the file cannot tell the target from 0. Chosen on the rows it is scored on, "
+        "it is an optimistic figure.",
+        "",
+    ]
+    for report in reports:
+        for found in report["thresholds"]["target_ham_fpr"]:
+            head = f"- `{report['servable']}`, {negative} FPR ≤ {pct_in_full(found['target'])}:"
+            if found["model_threshold"] is None:
+                lines.append(f"{head} none, {found['reason']}.")
+            else:
+                lines.append(
+                    f"{head} `decision_threshold: {threshold(found)}`, {positive} recall "
+                    f"{pct(found['recall'])}, precision {pct(found['precision'])}, "
+                    f"{found['fp']} of {found['negatives']} `{negative}` rows called "
+                    f"`{positive}` ({pct(found['false_positive_rate'])})."
+                )
+    return lines
 
 
 def can_plot() -> bool:

@@ -17,6 +17,8 @@ ROW_REFUSALS = (InvalidInput.code, NonFiniteAnswer.code)
 # Refusals that pass: a busy, loading or slow service. After this many in a row, give up.
 MAX_WAITS = 30
 WAIT_SECONDS = 1.0
+# A model config's problem_type for sigmoid scores, one per label.
+MULTI_LABEL = "multi_label_classification"
 
 
 class ScoringFailed(RuntimeError):
@@ -42,6 +44,7 @@ class Servable:
     labels: list[str]
     decision_threshold: float | None  # in the model's own scores; served ones centre on it
     identities: dict[str, str]  # model name → answer identity digest (two for the cascade)
+    multi_label: bool = False  # sigmoid scores (MULTI_LABEL): no decision_threshold applies
 
     @property
     def column(self) -> str:
