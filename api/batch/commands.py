@@ -322,7 +322,10 @@ async def run_evaluate(args: argparse.Namespace) -> int:
                 if writer is not None and identity is not None:
                     writer.write([{"header": header(servable, args.truncate, identity)}])
                 progress = None if args.quiet else Progress(total)
-                run = Run(source, target, args.truncate, args.batch_size)
+                # The default adapter asked by its name: a server's canary answers the texts
+                # of a request that names none with two adapters, and this judges one.
+                asked = target if target.cascade else Target(target.model, servable.adapter)
+                run = Run(source, asked, args.truncate, args.batch_size)
                 rows = read_rows(args.file, columns, fmt)
                 await score_file(run, rows, writer, progress, expected, judged.add)
                 if progress is not None:
