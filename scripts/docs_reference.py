@@ -118,7 +118,9 @@ def dashboard_panels_table(dashboard: dict[str, Any]) -> str:
     """Each panel of a Grafana dashboard: its title and its description, in grid order."""
     rows = ["| panel | what it tells |", "|---|---|"]
     for panel in _panels_in_order(dashboard):
-        rows.append(f"| {_cell(panel['title'])} | {_cell(panel.get('description', ''))} |")
+        title = _cell(panel["title"])
+        title = f"**{title}**" if panel.get("type") == "row" else title  # heads the panels below
+        rows.append(f"| {title} | {_cell(panel.get('description', ''))} |")
     return "\n".join(rows)
 
 
@@ -143,6 +145,13 @@ def dashboard_svg(dashboard: dict[str, Any]) -> str:
         grid = panel["gridPos"]
         x, y = grid["x"] * CELL_WIDTH + PANEL_GAP, grid["y"] * ROW_HEIGHT + 40 + PANEL_GAP
         w, h = grid["w"] * CELL_WIDTH - 2 * PANEL_GAP, grid["h"] * ROW_HEIGHT - 2 * PANEL_GAP
+        if panel.get("type") == "row":  # a heading across the grid, as Grafana draws it
+            shapes += [
+                f'<text x="{x}" y="{y + 16}" font-size="15" font-weight="bold">'
+                f"{xml_escape(panel['title'])}</text>",
+                f'<line x1="{x}" y1="{y + h}" x2="{x + w}" y2="{y + h}" stroke="#9aa5b8"/>',
+            ]
+            continue
         fill = PANEL_FILL.get(panel.get("type", ""), TIMESERIES_FILL)
         shapes += [
             f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="{fill}" '
