@@ -379,6 +379,13 @@ class Settings(BaseSettings):
     shadow_max_queued_rows: int = Field(
         1024, ge=0, description="Most shadow rows queued per model; more are dropped."
     )
+    shadow_batch_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="A forward of shadow rows holds at most this share of MAX_BATCH_TOKENS: "
+        "a client's row that comes while one runs waits for it, so it is kept short.",
+    )
     rollout_samples_dir: Path | None = Field(
         None,
         description="Stores texts: where each model's candidate keeps a capped sample of the "

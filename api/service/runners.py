@@ -125,6 +125,7 @@ def _batcher(
         on_drop=lambda reason: metrics.batch_dropped.labels(name, reason).inc(),
         on_out_of_memory=served.predictor.release_memory,
         max_shadow_rows=settings.shadow_max_queued_rows,
+        max_shadow_tokens=max(1, int(served.max_batch_tokens * settings.shadow_batch_share)),
         on_shadow_drop=on_shadow_drop,
     )
     metrics.queue_depth.labels(name).set_function(lambda: batcher.queued_rows)

@@ -217,6 +217,7 @@ class Batcher(Generic[Result]):
         on_drop: Callable[[str], None] | None = None,
         on_out_of_memory: Callable[[], None] | None = None,
         max_shadow_rows: int = 0,
+        max_shadow_tokens: int | None = None,
         on_shadow_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self._predict = predict_batch
@@ -243,6 +244,9 @@ class Batcher(Generic[Result]):
         # Rows no client waits for (a candidate adapter's, see `shadow`), oldest first.
         self._shadow: list[_Row[Result]] = []
         self._max_shadow_rows = max_shadow_rows
+        # A shadow forward's most tokens (a row longer runs alone): a client row that comes
+        # while one runs waits for it, so it is kept a fraction of a full batch.
+        self._max_shadow_tokens = max_shadow_tokens or limits.max_batch_tokens
         self._on_shadow_drop = on_shadow_drop
 
     @property
@@ -354,15 +358,16 @@ class Batcher(Generic[Result]):
     ) -> list[Result | None]:
         """Scores rows no client waits for, at the lowest priority; None for each row dropped.
 
-        A shadow row never delays a client's row: it joins only a batch that takes every
-        client row waiting, within that batch's limits, and runs in a forward of its own once
+        A shadow row joins only a batch that takes every client row waiting, within that
+        batch's limits, and runs in a forward of its own (at most `max_shadow_tokens`) once
         the batch's client rows have their answers; while no client row waits, shadow rows
-        make a batch of their own. It is dropped (counted by reason, `on_shadow_drop`) when
-        more client rows wait than one batch takes as it comes (busy), when `max_shadow_rows`
-        are queued (queue_full), when no batch had room for it within `wait` seconds
-        (no_room), or when the batcher stops (stopped). Shadow rows count in no request limit
-        and in no backlog that admission weighs: clients are admitted as if they were not
-        there.
+        make a batch of their own, as small. So no client row already waiting is delayed,
+        and one that comes meanwhile waits at most one short shadow forward. A shadow row is
+        dropped (counted by reason, `on_shadow_drop`) when more client rows wait than one
+        batch takes as it comes (busy), when `max_shadow_rows` are queued (queue_full), when
+        no batch had room for it within `wait` seconds (no_room), or when the batcher stops
+        (stopped). Shadow rows count in no request limit and in no backlog that admission
+        weighs.
         """
         loop = asyncio.get_running_loop()
         now = time.monotonic()
@@ -405,24 +410,28 @@ class Batcher(Generic[Result]):
                 self._on_shadow_drop(reason, 1)
 
     def _add_shadow(self, batch: _Batch[Result], now: float) -> None:
-        """Shadow rows into the room `batch` leaves, the oldest first; those past their time
-        are dropped."""
+        """Shadow rows into the room `batch` leaves, within `max_shadow_tokens` of their own
+        forward, the oldest first; those past their time are dropped."""
         kept: list[_Row[Result]] = []
+        part: _Batch[Result] = _Batch(self.limits.packed)  # the shadow forward
         for row in self._shadow:
             if row.future.done():
                 continue
             if row.deadline <= now:
                 self._drop_shadow(row.future, "no_room")
-            elif self._has_room(batch, row):
+            elif self._has_room(batch, part, row):
                 batch.add(row)
+                part.add(row)
                 row.started = True
             else:
                 kept.append(row)
         self._shadow = kept
 
-    def _has_room(self, batch: _Batch[Result], row: _Row[Result]) -> bool:
+    def _has_room(self, batch: _Batch[Result], part: _Batch[Result], row: _Row[Result]) -> bool:
         limits = self.limits
         if len(batch.rows) >= limits.max_batch_size:
+            return False
+        if part.rows and part.tokens(len(row.ids)) > self._max_shadow_tokens:
             return False
         return not batch.rows or batch.tokens(len(row.ids)) <= limits.max_batch_tokens
 

@@ -19,7 +19,12 @@ Results = Batcher[tuple[str | None, int]]
 def batcher_for(
     fake: FakePredictor, executor: ThreadPoolExecutor, dropped: Counter[str], **limits: int
 ) -> Results:
-    values = {"max_batch_size": 4, "max_queue_requests": 100, "max_shadow_rows": 100}
+    values = {
+        "max_batch_size": 4,
+        "max_queue_requests": 100,
+        "max_shadow_rows": 100,
+        "max_shadow_tokens": 1000,
+    }
     values.update(limits)
     batcher: Results = Batcher(
         fake,
@@ -31,6 +36,7 @@ def batcher_for(
         ),
         executor,
         max_shadow_rows=values["max_shadow_rows"],
+        max_shadow_tokens=values["max_shadow_tokens"],
         on_shadow_drop=lambda reason, rows: dropped.update({reason: rows}),
     )
     batcher.start()
@@ -124,3 +130,22 @@ async def test_shadow_rows_waiting_when_it_stops_are_dropped(
     await asyncio.wait_for(asyncio.gather(held, stopping), 5)
     assert await asyncio.wait_for(shadow, 5) == [None]
     assert dropped == Counter({"stopped": 1})
+
+
+async def test_a_shadow_forward_holds_at_most_its_share_of_tokens(
+    executor: ThreadPoolExecutor,
+) -> None:
+    fake, dropped = FakePredictor(), Counter[str]()
+    batcher = batcher_for(fake, executor, dropped, max_batch_size=8, max_shadow_tokens=4)
+    fake.gate.clear()
+    held = asyncio.create_task(batcher.submit([[1]], ["a"], 10))
+    await asyncio.sleep(0.05)
+    shadow = asyncio.create_task(batcher.shadow([[2, 2]] * 5, ["b"] * 5, 10))
+    await asyncio.sleep(0.01)
+    fake.gate.set()
+    assert await asyncio.wait_for(shadow, 5) == [("b", 4)] * 5
+    await held
+    # Padded to 2 tokens a row: two rows a shadow forward (4 tokens), however much room.
+    assert fake.sizes == [1, 2, 2, 1]
+    assert not dropped
+    await batcher.stop()

@@ -109,7 +109,7 @@ class Comparison:
             "texts": self.texts,
             "agreements": self.agreements,
             "agreement": round(self.agreements / self.texts, 6) if self.texts else None,
-            "flip_rate": round(self.flip_rate, 6),
+            "flip_rate": round(self.flip_rate, 6) if self.texts else None,
             "flips": [
                 {"from": before, "to": after, "texts": count}
                 for (before, after), count in sorted(self.flips.items())
