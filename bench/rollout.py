@@ -215,9 +215,9 @@ def markdown(
         f"{cost['cpu_ms_per_text_shadow']:g} ms with a shadow at 1.0, so "
         f"{cost['cpu_ms_per_shadow_row']:g} ms per compared text.",
         "",
-        "Shadow rows ride only in batches that take every waiting client row, after the "
-        "clients' forward, and are dropped first when the model is busy: past saturation "
-        "the shadow compares fewer texts, and the clients keep their rate.",
+        "Shadow rows run in batches of their own, only once the device has stood idle as "
+        "long as its last client batch took, and are dropped first when the model is busy: "
+        "the busier the model, the fewer texts the shadow compares.",
         "",
     ]
     return "\n".join(lines)

@@ -244,6 +244,9 @@ class Batcher(Generic[Result]):
         # Rows no client waits for (a candidate adapter's, see `shadow`), oldest first.
         self._shadow: list[_Row[Result]] = []
         self._max_shadow_rows = max_shadow_rows
+        # When the last batch of client rows ended, and how long it ran (see _idle_for_shadow).
+        self._client_batch_ended = 0.0
+        self._client_batch_seconds = 0.0
         # A shadow forward's most tokens (a row longer runs alone): a client row that comes
         # while one runs waits for it, so it is kept a fraction of a full batch.
         self._max_shadow_tokens = max_shadow_tokens or limits.max_batch_tokens
@@ -358,16 +361,16 @@ class Batcher(Generic[Result]):
     ) -> list[Result | None]:
         """Scores rows no client waits for, at the lowest priority; None for each row dropped.
 
-        A shadow row joins only a batch that takes every client row waiting, within that
-        batch's limits, and runs in a forward of its own (at most `max_shadow_tokens`) once
-        the batch's client rows have their answers; while no client row waits, shadow rows
-        make a batch of their own, as small. So no client row already waiting is delayed,
-        and one that comes meanwhile waits at most one short shadow forward. A shadow row is
-        dropped (counted by reason, `on_shadow_drop`) when more client rows wait than one
-        batch takes as it comes (busy), when `max_shadow_rows` are queued (queue_full), when
-        no batch had room for it within `wait` seconds (no_room), or when the batcher stops
-        (stopped). Shadow rows count in no request limit and in no backlog that admission
-        weighs.
+        Shadow rows run only in batches of their own, of at most `max_shadow_tokens`, and only
+        when no client row waits and none is expected back (see `_idle_for_shadow`): a client
+        row that comes while one runs waits for that one short forward, no more. They never
+        join a client's batch: a peft model runs one adapter per forward, so a shadow row
+        there adds a forward that the batch's clients, and those coming back, wait for.
+        A shadow row is dropped (counted by reason, `on_shadow_drop`) when more client rows
+        wait than one batch takes as it comes (busy), when `max_shadow_rows` are queued
+        (queue_full), when no idle moment came for it within `wait` seconds (no_room), or
+        when the batcher stops (stopped). Shadow rows count in no request limit and in no
+        backlog that admission weighs.
         """
         loop = asyncio.get_running_loop()
         now = time.monotonic()
@@ -409,37 +412,34 @@ class Batcher(Generic[Result]):
             if self._on_shadow_drop is not None:
                 self._on_shadow_drop(reason, 1)
 
-    def _add_shadow(self, batch: _Batch[Result], now: float) -> None:
-        """Shadow rows into the room `batch` leaves, within `max_shadow_tokens` of their own
-        forward, the oldest first; those past their time are dropped."""
+    def _shadow_batch(self, now: float) -> _Batch[Result]:
+        """A batch of shadow rows, the oldest first, within the batch limits and
+        `max_shadow_tokens`; those past their time are dropped."""
+        batch: _Batch[Result] = _Batch(self.limits.packed)
         kept: list[_Row[Result]] = []
-        part: _Batch[Result] = _Batch(self.limits.packed)  # the shadow forward
         for row in self._shadow:
             if row.future.done():
                 continue
             if row.deadline <= now:
                 self._drop_shadow(row.future, "no_room")
-            elif self._has_room(batch, part, row):
+            elif not batch.rows or (
+                len(batch.rows) < self.limits.max_batch_size
+                and batch.tokens(len(row.ids)) <= self._max_shadow_tokens
+            ):
                 batch.add(row)
-                part.add(row)
                 row.started = True
             else:
                 kept.append(row)
         self._shadow = kept
-
-    def _has_room(self, batch: _Batch[Result], part: _Batch[Result], row: _Row[Result]) -> bool:
-        limits = self.limits
-        if len(batch.rows) >= limits.max_batch_size:
-            return False
-        if part.rows and part.tokens(len(row.ids)) > self._max_shadow_tokens:
-            return False
-        return not batch.rows or batch.tokens(len(row.ids)) <= limits.max_batch_tokens
+        return batch
 
     async def _collect(self) -> None:
         while True:
             while not self._pending and not self._shadow:
                 self._arrived.clear()
                 await self._arrived.wait()
+            if not self._pending and not await self._idle_for_shadow():
+                continue  # client rows came meanwhile: theirs is the next batch
             await self._slot.acquire()
             try:
                 await self._wait_until_flush()
@@ -453,6 +453,31 @@ class Batcher(Generic[Result]):
             task = asyncio.create_task(self._run(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+
+    async def _idle_for_shadow(self) -> bool:
+        """Waits, with only shadow rows queued, until the device has stood idle as long as
+        its last client batch took (and the refill's `refill_wait_seconds`, and
+        `max_wait_seconds`): clients that send their next text once answered are back by
+        then. False as soon as a client row comes: a shadow batch started before would hold
+        the device as their rows come back (measured at 32 such clients: their batches split
+        in two, and admission refused some with 429).
+        """
+        idle_since = self._client_batch_ended
+        until = max(
+            self._refill_until,
+            idle_since + self._client_batch_seconds,
+            time.monotonic() + self.limits.max_wait_seconds,
+        )
+        while not self._pending:
+            left = until - time.monotonic()
+            if left <= 0:
+                return True
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return not self._pending
+        return False
 
     async def _wait_until_flush(self) -> None:
         """Returns once the pending rows fill a batch, or once both the oldest has waited
@@ -480,8 +505,8 @@ class Batcher(Generic[Result]):
         return pending.tokens() >= self.limits.max_batch_tokens
 
     def _take_batch(self) -> _Batch[Result]:
-        """Drops cancelled and late rows, then takes the next batch (see `_choose`), with
-        shadow rows in what room it leaves (see `shadow`)."""
+        """Drops cancelled and late rows, then takes the next batch (see `_choose`); with no
+        client row left, a batch of shadow rows (see `shadow`)."""
         now = time.monotonic()
         live: list[_Row[Result]] = []
         for row in self._pending:
@@ -494,17 +519,13 @@ class Batcher(Generic[Result]):
         if not live:
             self._pending = []
             self._waited_lengths.clear()
-            batch: _Batch[Result] = _Batch(self.limits.packed)
-            self._add_shadow(batch, now)
-            return batch
+            return self._shadow_batch(now)
         batch = self._choose(live)
         taken = set(map(id, batch.rows))
         self._pending = [row for row in live if id(row) not in taken]
         self._waited_lengths = Counter(len(row.ids) for row in self._pending)
         for row in batch.rows:
             row.started = True
-        if self._shadow and not self._pending:
-            self._add_shadow(batch, now)
         return batch
 
     def _choose(self, live: list[_Row[Result]]) -> _Batch[Result]:
@@ -550,40 +571,33 @@ class Batcher(Generic[Result]):
             self._on_drop(reason)
 
     async def _run(self, batch: _Batch[Result]) -> None:
-        """Runs the batch's client rows, then, once they have their answers, its shadow rows
-        in a forward of their own (a peft model runs one adapter per forward anyway)."""
         try:
-            clients = [row for row in batch.rows if not row.shadow]
-            shadows = [row for row in batch.rows if row.shadow]
-            for rows in (clients, shadows):
-                if rows:
-                    await self._run_part(rows)
+            started = time.monotonic()
+            self._running_batch, self._running_since = batch, started
+            with _batch_span(batch):
+                succeeded = await self._run_rows(batch.rows)
+            if self._on_batch is not None:
+                self._on_batch(
+                    BatchStats(
+                        rows=len(batch.rows),
+                        tokens=batch.tokens(),
+                        queue_seconds=[
+                            started - row.enqueued for row in batch.rows if not row.shadow
+                        ],
+                        run_seconds=time.monotonic() - started,
+                        failed=not succeeded,
+                    )
+                )
         finally:
+            if not batch.rows[0].shadow:
+                self._client_batch_ended = time.monotonic()
+                self._client_batch_seconds = self._client_batch_ended - started
             self._running_batch = None
             for row in batch.rows:
                 if self._inflight.get(row.key) is row:
                     del self._inflight[row.key]
             self._expect_refill(batch.rows)
             self._slot.release()
-
-    async def _run_part(self, rows: list[_Row[Result]]) -> None:
-        part: _Batch[Result] = _Batch(self.limits.packed)
-        for row in rows:
-            part.add(row)
-        started = time.monotonic()
-        self._running_batch, self._running_since = part, started
-        with _batch_span(part):
-            succeeded = await self._run_rows(part.rows)
-        if self._on_batch is not None:
-            self._on_batch(
-                BatchStats(
-                    rows=len(part.rows),
-                    tokens=part.tokens(),
-                    queue_seconds=[started - row.enqueued for row in rows if not row.shadow],
-                    run_seconds=time.monotonic() - started,
-                    failed=not succeeded,
-                )
-            )
 
     def _expect_refill(self, rows: list[_Row[Result]]) -> None:
         """After a batch: the requests it answered in full may send as many rows again."""

@@ -43,7 +43,7 @@ def batcher_for(
     return batcher
 
 
-async def test_shadow_rows_run_after_the_clients_rows_in_a_forward_of_their_own(
+async def test_shadow_rows_run_after_the_clients_rows_in_a_batch_of_their_own(
     executor: ThreadPoolExecutor,
 ) -> None:
     fake, dropped = FakePredictor(), Counter[str]()
@@ -58,7 +58,7 @@ async def test_shadow_rows_run_after_the_clients_rows_in_a_forward_of_their_own(
     assert await asyncio.wait_for(first, 5) == [("a", 1)]
     assert await asyncio.wait_for(client, 5) == [("a", 2), ("a", 3)]
     assert await asyncio.wait_for(shadow, 5) == [("b", 5), ("b", 6)]
-    # The client rows' forward first, then the shadow rows' (never one forward with both).
+    # The client rows first, though queued later, then the shadow rows (never one batch).
     assert [sorted(a for a, _ in batch) for batch in fake.batches] == [
         ["a"],
         ["a", "a"],
