@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from api.metrics import Metrics
-from api.models.predictor import NonFiniteScores, Scores, UnservableText
+from api.models.predictor import NonFiniteScores, UnservableText
 from api.models.registry import Registry, UnknownName
 from api.models.spec import CandidateSpec, ModelSpec, load_models_file
 from api.observability import record
@@ -45,7 +45,9 @@ from api.serving.errors import (
 )
 from api.serving.heap import ServingHeap
 from api.serving.rollout import Candidate, Rollout
-from api.serving.rollout.comparison import label_of, positive_score
+from api.serving.rollout.canary import classify_split
+from api.serving.rollout.drift import count_answers
+from api.serving.rollout.shadow import score_in_shadow
 from api.serving.unicode import first_lone_surrogate
 from api.settings import Settings
 
@@ -104,6 +106,7 @@ class Service(Lifecycle):
         self.runners: dict[str, ModelRunner] = {}
         self.cascade: Cascade | None = None
         self.rollouts: dict[str, Rollout] = {}
+        self._labels: dict[str, list[str]] = {}  # each model's, for counting answers
         self._shadows: set[asyncio.Task[None]] = set()  # shadow scorings under way
         self.heap = ServingHeap(settings.gc_gen0_threshold)
         self._loading: asyncio.Task[None] | None = None
@@ -149,6 +152,7 @@ class Service(Lifecycle):
 
             self.runners = start_runners(self.settings, self.registry, self.metrics, device_failed)
             self.rollouts = self._rollouts()
+            self._labels = {name: r.served.loaded.labels for name, r in self.runners.items()}
             if self.cascade_names is not None:
                 first, second = (self.runners[name] for name in self.cascade_names)
                 threshold, source = cascade_threshold(self.settings, first.served.loaded.spec)
@@ -236,7 +240,7 @@ class Service(Lifecycle):
                 text_adapters = [adapter] * len(texts)
                 for index in picked:
                     text_adapters[index] = candidate.adapter
-                work = _canary(runner, texts, text_adapters, truncate, cache, deadline)
+                work = classify_split(runner, texts, text_adapters, truncate, cache, deadline)
             else:
                 work = _single(runner, texts, adapter, truncate, cache, deadline)
             adapters = {runner.served.name: adapter}
@@ -255,7 +259,7 @@ class Service(Lifecycle):
             adapter = text_adapters[0]  # the candidate took every text
         else:
             split_adapters = text_adapters
-        self._count_answers(answered_by, text_adapters, result.scores)
+        count_answers(self.metrics, self._labels, answered_by, text_adapters, result.scores)
         tiers = DEFAULT_TIER_NAMES if self.cache is None else self.cache.tier_names
         record.note_cache(result.tiers, tiers)
         return Answer(result, answered_by, labels, adapter, is_cascade, tiers, split_adapters)
@@ -281,56 +285,16 @@ class Service(Lifecycle):
         result: Classified,
         truncate: bool,
     ) -> None:
-        """Scores the picked texts, after their answer, with the side that did not answer
-        them (the candidate in shadow, the served adapter in a canary), and compares."""
+        """The picked texts scored in shadow once answered (see score_in_shadow): a task
+        nobody awaits, cancelled at close."""
         chosen = [texts[index] for index in picked]
-        answered: list[Scores | None] = [result.scores[index] for index in picked]
-        shadow_adapter = candidate.adapter if candidate.mode == "shadow" else candidate.served
+        answered = [result.scores[index] for index in picked]
         rollout = self.rollouts[runner.served.name]
         wait = self.settings.shadow_max_wait_seconds
-
-        async def score() -> None:
-            try:
-                scored = await runner.shadow(chosen, shadow_adapter, truncate, wait)
-            except Exception as exc:  # the shadow side failed: no client is told, none waits
-                logger.warning(
-                    "model %s: shadow scoring with %s failed: %s",
-                    runner.served.name,
-                    shadow_adapter,
-                    exc,
-                )
-                runner.batcher.count_shadow_dropped("failed", len(chosen))
-                return
-            if candidate.mode == "shadow":
-                rollout.compare(candidate, chosen, answered, scored)
-            else:
-                rollout.compare(candidate, chosen, scored, answered)
-
-        task = asyncio.create_task(score())
+        shadow = score_in_shadow(rollout, runner, candidate, chosen, answered, truncate, wait)
+        task = asyncio.create_task(shadow)
         self._shadows.add(task)
         task.add_done_callback(self._shadows.discard)
-
-    def _count_answers(
-        self, answered_by: list[str], adapters: list[str | None], scores: list[Scores]
-    ) -> None:
-        """Predictions, labels and positive scores per model and adapter (drift)."""
-        metrics = self.metrics
-        counted: dict[tuple[str, str], list[Scores]] = {}
-        for name, adapter, one in zip(answered_by, adapters, scores, strict=True):
-            counted.setdefault((name, adapter or "none"), []).append(one)
-        for (name, adapter), answers in counted.items():
-            metrics.labelled(metrics.predictions, name, adapter).inc(len(answers))
-            labels = self.runners[name].served.loaded.labels
-            per_label = [0] * len(labels)
-            histogram = metrics.labelled(metrics.answer_positive_score, name, adapter)
-            for one in answers:
-                per_label[label_of(one)] += 1
-                positive = positive_score(one)
-                if positive is not None:
-                    histogram.observe(positive)
-            for label, count in zip(labels, per_label, strict=True):
-                if count:
-                    metrics.labelled(metrics.answer_labels, name, adapter, label).inc(count)
 
     def pick_runner(self, model: str | None, adapter: str | None) -> tuple[ModelRunner, str | None]:
         """The named model's runner (None: the first) and the adapter a request gets."""
@@ -440,41 +404,6 @@ async def _single(
     """One model answers every text."""
     result = await runner.classify(texts, adapter, truncate, cache, deadline)
     return result, [runner.served.name] * len(texts)
-
-
-async def _canary(
-    runner: ModelRunner,
-    texts: list[str],
-    text_adapters: list[str | None],
-    truncate: bool,
-    cache: ResultCache | None,
-    deadline: float,
-) -> tuple[Classified, list[str]]:
-    """Each text answered by its adapter (a canary's or the default), in one go: the groups
-    are submitted together, so they meet in the same batches; the answers back in order."""
-    groups: dict[str | None, list[int]] = {}
-    for index, adapter in enumerate(text_adapters):
-        groups.setdefault(adapter, []).append(index)
-    tasks = [
-        asyncio.ensure_future(
-            runner.classify([texts[i] for i in indexes], adapter, truncate, cache, deadline)
-        )
-        for adapter, indexes in groups.items()
-    ]
-    try:
-        parts = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:  # one group refused or failed: the other is not waited for
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    scores: list[Scores | None] = [None] * len(texts)
-    tiers = [""] * len(texts)
-    for indexes, part in zip(groups.values(), parts, strict=True):
-        for index, one, tier in zip(indexes, part.scores, part.tiers, strict=True):
-            scores[index], tiers[index] = one, tier
-    answered = [one for one in scores if one is not None]
-    return Classified(answered, tiers), [runner.served.name] * len(texts)
 
 
 async def refused_as_service_errors(work: Coroutine[Any, Any, Result]) -> Result:

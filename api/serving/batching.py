@@ -247,7 +247,7 @@ class Batcher(Generic[Result]):
         # When the last batch of client rows ended, and how long it ran (see _idle_for_shadow).
         self._client_batch_ended = 0.0
         self._client_batch_seconds = 0.0
-        # A shadow forward's most tokens (a row longer runs alone): a client row that comes
+        # A shadow batch's most tokens (a longer row runs alone): a client row that comes
         # while one runs waits for it, so it is kept a fraction of a full batch.
         self._max_shadow_tokens = max_shadow_tokens or limits.max_batch_tokens
         self._on_shadow_drop = on_shadow_drop
@@ -402,7 +402,8 @@ class Batcher(Generic[Result]):
         return results
 
     def count_shadow_dropped(self, reason: str, rows: int) -> None:
-        """Counts shadow rows its caller dropped before they came here (busy)."""
+        """Counts shadow rows its caller dropped itself: before they came here (busy), or
+        when their scoring failed (failed)."""
         if self._on_shadow_drop is not None and rows:
             self._on_shadow_drop(reason, rows)
 
