@@ -8,19 +8,11 @@ from pathlib import Path
 import httpx
 
 from tests.support.split import split
-from tests.support.tiny_models import LABELS, TinyModel, write_models_file
+from tests.support.tiny_models import TinyModel, spam_entry, write_models_file
 
 
 def entry(tiny: TinyModel, name: str, policy: str) -> dict[str, object]:
-    return {
-        "name": name,
-        "base": str(tiny.base),
-        "labels": LABELS,
-        "max_length": 32,
-        "adapters": [{"name": "spam", "path": str(tiny.adapters["spam"])}],
-        "languages": ["en"],
-        "on_other_language": policy,
-    }
+    return spam_entry(tiny, name, languages=["en"], on_other_language=policy)
 
 
 def test_the_split_refuses_and_flags_as_the_model_side_decides(

@@ -243,6 +243,18 @@ def write_models_file(path: Path, entries: list[dict[str, object]]) -> Path:
     return path
 
 
+def spam_entry(tiny: TinyModel, name: str, **fields: object) -> dict[str, object]:
+    """A models-file entry serving `tiny` with its spam adapter."""
+    return {
+        "name": name,
+        "base": str(tiny.base),
+        "labels": LABELS,
+        "max_length": 32,
+        "adapters": [{"name": "spam", "path": str(tiny.adapters["spam"])}],
+        **fields,
+    }
+
+
 def tiny_models_file(
     folder: Path, tiny: TinyModel, adapters: tuple[str, ...] = ("spam", "promo"), **fields: object
 ) -> Path:
