@@ -230,6 +230,7 @@ class Service(Lifecycle):
         picked: list[int] = []
         text_adapters: list[str | None] | None = None
         routes: TextRoutes | None = None
+        routed = False  # some texts go to another model than the one asked
         if is_cascade:
             cascade = self.pick_cascade(request.adapter)
             labels = cascade.first.served.loaded.labels

@@ -159,3 +159,13 @@ def test_a_text_no_model_reads_is_refused_when_routing(
         response = client.post("/v2/models/en/infer", json=infer)
         assert response.status_code == 422
         assert "inputs[0] is in ko" in response.json()["error"]
+
+
+def test_the_cascade_routes_nothing_its_first_model_refuses(
+    tiny_bert: TinyModel, korean_base: Path, tmp_path: Path
+) -> None:
+    with serving(models(tiny_bert, korean_base, "route"), tmp_path / "cache") as client:
+        status, _, body = predict(client, [ENGLISH[0], KOREAN[0]], model="cascade")
+        assert status == 422 and body["error"]["code"] == "other_language"  # type: ignore[index]
+        status, headers, _ = predict(client, ENGLISH + NO_LETTERS, model="cascade")
+        assert status == 200 and headers["x-answered-by"].split(",")[0] in ("en", "ko")
