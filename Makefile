@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-revisions bench-score bench-cascade bench-adapters train train-llm clean
+.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-revisions bench-score bench-cascade bench-adapters bench-languages train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,7 +74,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters bench-rollout
+bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters bench-rollout bench-languages
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -119,6 +119,10 @@ bench-revisions: $(BENCH_INSTALLED)
 ## bench-score: `loraserve score` in process vs. the served throughput of the same model
 bench-score: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.score
+
+## bench-languages: what telling a text's language by its script costs, µs a text (a few seconds)
+bench-languages: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.languages
 
 ## bench-cascade: the cascade vs. each of its models, as served: held-out quality, throughput
 bench-cascade: $(BENCH_INSTALLED)

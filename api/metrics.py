@@ -215,6 +215,12 @@ class Metrics:
         self.cascade_escalations = Counter(
             f"{p}_cascade_escalations", "Texts the cascade sent on to its second model", registry=r
         )
+        self.language_texts = Counter(
+            f"{p}_language_texts",
+            "Texts to a model that declares languages, by detected language and what was done",
+            ["model", "language", "outcome"],
+            registry=r,
+        )
 
         self.adapter_loads = Counter(
             f"{p}_adapter_loads",

@@ -17,6 +17,7 @@ from typing import IO
 
 import httpx
 
+from api.batch.by_language import RowLanguages, per_language
 from api.batch.evaluation import Judgements, disagreeing_rows, disagreements, evaluate
 from api.batch.local import local_service
 from api.batch.output import OutputError, Writer, header, open_output, write_json
@@ -326,7 +327,8 @@ async def run_evaluate(args: argparse.Namespace) -> int:
                 # of a request that names none with two adapters, and this judges one.
                 asked = target if target.cascade else Target(target.model, servable.adapter)
                 run = Run(source, asked, args.truncate, args.batch_size)
-                rows = read_rows(args.file, columns, fmt)
+                languages = RowLanguages()
+                rows = languages.tagged(read_rows(args.file, columns, fmt))
                 await score_file(run, rows, writer, progress, expected, judged.add)
                 if progress is not None:
                     progress.finish()
@@ -334,7 +336,9 @@ async def run_evaluate(args: argparse.Namespace) -> int:
                 if scored is not None:
                     scored.close()
             judged_by[servable.column] = judged
-            reports.append(evaluate(servable, judged, args.cost_fp, args.cost_fn, targets_fpr))
+            report = evaluate(servable, judged, args.cost_fp, args.cost_fn, targets_fpr)
+            report["per_language"] = per_language(judged, languages)
+            reports.append(report)
             labels = servable.labels
     apart = disagreeing_rows(judged_by) if len(judged_by) > 1 else []
     print(terminal_table(reports, len(apart)))

@@ -57,6 +57,27 @@ def metric_rows(reports: Sequence[Report]) -> list[tuple[str, list[str]]]:
                 add(f"  {metric}", [pct(r["thresholds"][key][metric]) for r in reports])
             add("  cost", [f"{r['thresholds'][key]['cost']:g}" for r in reports])
         rows += target_fpr_rows(reports)
+    rows += language_rows(reports)
+    return rows
+
+
+def language_rows(reports: Sequence[Report]) -> list[tuple[str, list[str]]]:
+    """Per detected language (the first servable's most frequent first): rows and errors,
+    accuracy, and with two labels the second label's recall and the first's FPR."""
+    if not all("per_language" in r for r in reports):
+        return []
+    rows: list[tuple[str, list[str]]] = []
+    for language in reports[0]["per_language"]:
+        found = [r["per_language"].get(language) for r in reports]
+        rows.append(
+            (
+                f"language {language}: rows / errors",
+                [f"{f['rows']} / {f['errors']}" if f else "-" for f in found],
+            )
+        )
+        for key, value in (found[0] or {}).items():
+            if isinstance(value, float):
+                rows.append((f"  {key}", [pct(f[key]) if f else "-" for f in found]))
     return rows
 
 

@@ -9,11 +9,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from api.serving.errors import InvalidInput, NonFiniteAnswer, ServiceError
+from api.serving.errors import InvalidInput, NonFiniteAnswer, OtherLanguage, ServiceError
 
 Ranked = list[dict[str, Any]]  # /predict's answer to one text: labels with scores, best first
 # Refusals that concern the texts themselves: the rest of a batch is still scored.
-ROW_REFUSALS = (InvalidInput.code, NonFiniteAnswer.code)
+ROW_REFUSALS = (InvalidInput.code, OtherLanguage.code, NonFiniteAnswer.code)
 # Refusals that pass: a busy, loading or slow service. After this many in a row, give up.
 MAX_WAITS = 30
 WAIT_SECONDS = 1.0

@@ -15,6 +15,8 @@ from api.service.contract import Answer, Classifier, ClassifyRequest
 from api.serving.errors import InvalidInput
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+# The positions of the texts answered outside the model's declared languages.
+OUTSIDE_LANGUAGES_HEADER = "X-Outside-Languages"
 WATCH_AFTER_SECONDS = 0.1  # a request's wait before its client is watched for a disconnect
 Result = TypeVar("Result")
 
@@ -42,6 +44,8 @@ def answer_headers(answer: Answer, model: str) -> dict[str, str]:
     }
     if not answer.cascade:
         headers["X-Adapter"] = answer.adapter_header
+    if answer.outside_languages:  # answered all the same, as the model's models file says
+        headers[OUTSIDE_LANGUAGES_HEADER] = ",".join(map(str, answer.outside_languages))
     return headers
 
 

@@ -126,6 +126,12 @@ class ModelInfo(BaseModel):
     architecture: str
     quantization: str
     dtype: str
+    languages: list[str] | None = Field(
+        None, description="The languages it reads (ISO 639-1); null: any, nothing detected."
+    )
+    on_other_language: str = Field(
+        "answer", description="A text detected outside them: route, refuse or answer."
+    )
     device: str
     labels: list[str]
     max_length: int

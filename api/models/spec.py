@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from api.models.languages import LANGUAGE_SCRIPTS, unknown_languages
 from api.settings import ADAPTER_DIR_SUFFIX
 
 ARTIFACTS_DIR = Path(__file__).resolve().parents[2] / "artifacts"
@@ -27,6 +28,7 @@ PACKAGE_SCHEME = "pkg:"
 
 Quantization = Literal["none", "int8", "nf4", "fp4", "dynamic-int8"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+OtherLanguage = Literal["route", "refuse", "answer"]
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 LORA_PREFIX = "lora_"
 
@@ -198,6 +200,30 @@ class ModelSpec(BaseModel):
         description="The name adapters trained on this base give as base_model_name_or_path "
         "(its hub id); run-time adapters must name it, the base as declared, or its folder.",
     )
+    languages: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="The languages it reads (ISO 639-1: [ko], [en, tl]); a text detected in "
+        "another is routed, refused or answered as on_other_language says. Unset: any.",
+    )
+    on_other_language: OtherLanguage = Field(
+        "answer",
+        description="A text outside `languages`: route (to the first other model that reads "
+        "it, when the request names no model), refuse (422), or answer (flagged).",
+    )
+
+    @field_validator("languages")
+    @classmethod
+    def _known_languages(cls, languages: list[str] | None) -> list[str] | None:
+        if languages is None:
+            return None
+        unknown = unknown_languages(languages)
+        if unknown:
+            raise ValueError(
+                f"languages {unknown} are not ISO 639-1 codes detection can tell "
+                f"(known: {', '.join(sorted(LANGUAGE_SCRIPTS))})"
+            )
+        return list(dict.fromkeys(languages))
 
     @model_validator(mode="after")
     def _check_simulated(self) -> ModelSpec:

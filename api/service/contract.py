@@ -55,6 +55,9 @@ class Answer:
     # Per text, the adapter that answered it, where a canary split the texts between the
     # default and its candidate (None: `adapter` answered every text).
     text_adapters: list[str | None] | None = None
+    # The positions of the texts answered outside the answering model's declared languages
+    # (its on_other_language: answer); None: none was.
+    outside_languages: list[int] | None = None
 
     @property
     def adapter_header(self) -> str:

@@ -43,7 +43,9 @@ from api.serving.errors import (
     Overloaded,
     ServiceError,
 )
+from api.serving.grouped import Answered, Group, answered_by_one, gather_in_order
 from api.serving.heap import ServingHeap
+from api.serving.language_gate import LanguageGate, TextRoutes
 from api.serving.rollout import Candidate, Rollout
 from api.serving.rollout.canary import classify_split
 from api.serving.rollout.drift import count_answers
@@ -107,6 +109,8 @@ class Service(Lifecycle):
         self.cascade: Cascade | None = None
         self.rollouts: dict[str, Rollout] = {}
         self._labels: dict[str, list[str]] = {}  # each model's, for counting answers
+        # The declared languages; the routes between models once their labels are known.
+        self.languages = LanguageGate(specs, {}, self.metrics)
         self._shadows: set[asyncio.Task[None]] = set()  # shadow scorings under way
         self.heap = ServingHeap(settings.gc_gen0_threshold)
         self._loading: asyncio.Task[None] | None = None
@@ -153,6 +157,7 @@ class Service(Lifecycle):
             self.runners = start_runners(self.settings, self.registry, self.metrics, device_failed)
             self.rollouts = self._rollouts()
             self._labels = {name: r.served.loaded.labels for name, r in self.runners.items()}
+            self.languages = LanguageGate(self.registry.specs, self._labels, self.metrics)
             if self.cascade_names is not None:
                 first, second = (self.runners[name] for name in self.cascade_names)
                 threshold, source = cascade_threshold(self.settings, first.served.loaded.spec)
@@ -224,9 +229,13 @@ class Service(Lifecycle):
         candidate: Candidate | None = None
         picked: list[int] = []
         text_adapters: list[str | None] | None = None
+        routes: TextRoutes | None = None
+        routed = False  # some texts go to another model than the one asked
         if is_cascade:
             cascade = self.pick_cascade(request.adapter)
             labels = cascade.first.served.loaded.labels
+            # The cascade routes nothing: its first model's languages refuse or flag a text.
+            routes = self.languages.route(cascade.first.served.name, texts, may_route=False)
             work = cascade.classify(texts, truncate, cache, deadline)
             adapters = {r.served.name: r.served.adapter_for(None) for r in cascade.runners}
             adapter = None
@@ -234,16 +243,28 @@ class Service(Lifecycle):
         else:
             runner, adapter = self.pick_runner(request.model, request.adapter)
             labels = runner.served.loaded.labels
+            # Routed only where the request leaves the choice of model (and adapter) to us.
+            may_route = request.model is None and request.adapter is None
+            routes = self.languages.route(runner.served.name, texts, may_route)
+            routed = routes is not None and bool(routes.routed)
+            own = [texts[i] for i in routes.own] if routes is not None and routed else texts
             candidate = self._candidate_for(runner, request.adapter, adapter)
-            picked = [] if candidate is None else candidate.picks(texts)
+            picked = [] if candidate is None else candidate.picks(own)
             if candidate is not None and candidate.mode == "canary" and picked:
-                text_adapters = [adapter] * len(texts)
+                text_adapters = [adapter] * len(own)
                 for index in picked:
                     text_adapters[index] = candidate.adapter
-                work = classify_split(runner, texts, text_adapters, truncate, cache, deadline)
+                work = classify_split(runner, own, text_adapters, truncate, cache, deadline)
             else:
-                work = _single(runner, texts, adapter, truncate, cache, deadline)
+                work = answered_by_one(runner, own, adapter, truncate, cache, deadline)
             adapters = {runner.served.name: adapter}
+            if routes is not None and routed:
+                work = self._routed(work, routes, texts, truncate, cache, deadline)
+                adapters.update(
+                    (name, self.runners[name].served.adapter_for(None)) for name in routes.routed
+                )
+                if text_adapters is not None:  # the canary's, of the model's own texts
+                    text_adapters = _spread(text_adapters, routes, adapters, len(texts))
             record.note_call(runner.served.name, adapter, len(texts))
         try:
             result, answered_by = await refused_as_service_errors(work)
@@ -251,18 +272,43 @@ class Service(Lifecycle):
             await hold_refusal(self.settings.refusal_delay_seconds, deadline)
             raise
         if not is_cascade and candidate is not None and picked:
-            self._shadow(runner, candidate, texts, picked, result, truncate)
-        split_adapters = None  # per text, only where a canary gave the texts two adapters
+            mine = result if routes is None or not routed else _part(result, routes.own)
+            self._shadow(runner, candidate, own, picked, mine, truncate)
+        split_adapters = None  # per text, where a canary or a route gave them two adapters
+        several = text_adapters is not None or (not is_cascade and len(adapters) > 1)
         if text_adapters is None:
             text_adapters = [adapters[name] for name in answered_by]
-        elif len(set(text_adapters)) == 1:
-            adapter = text_adapters[0]  # the candidate took every text
-        else:
+        if several and len(set(text_adapters)) == 1:
+            adapter = text_adapters[0]  # the candidate, or the model routed to, took them all
+        elif several:
             split_adapters = text_adapters
         count_answers(self.metrics, self._labels, answered_by, text_adapters, result.scores)
         tiers = DEFAULT_TIER_NAMES if self.cache is None else self.cache.tier_names
         record.note_cache(result.tiers, tiers)
-        return Answer(result, answered_by, labels, adapter, is_cascade, tiers, split_adapters)
+        outside = None if routes is None or not routes.outside else routes.outside
+        return Answer(
+            result, answered_by, labels, adapter, is_cascade, tiers, split_adapters, outside
+        )
+
+    def _routed(
+        self,
+        own: Coroutine[Any, Any, Answered],
+        routes: TextRoutes,
+        texts: list[str],
+        truncate: bool,
+        cache: ResultCache | None,
+        deadline: float,
+    ) -> Coroutine[Any, Any, Answered]:
+        """The model's own texts (`own`, answering `routes.own`) and each routed group by its
+        model's default adapter, together, answered in the texts' order."""
+        groups: list[Group] = [(routes.own, own)] if routes.own else []
+        if not routes.own:
+            own.close()  # never awaited: no text of the request is the model's own
+        for name, indexes in routes.routed.items():
+            chosen = [texts[i] for i in indexes]
+            work = answered_by_one(self.runners[name], chosen, None, truncate, cache, deadline)
+            groups.append((indexes, work))
+        return gather_in_order(len(texts), groups)
 
     def _candidate_for(
         self, runner: ModelRunner, asked: str | None, adapter: str | None
@@ -393,17 +439,26 @@ class Service(Lifecycle):
         return adapters, info
 
 
-async def _single(
-    runner: ModelRunner,
-    texts: list[str],
-    adapter: str | None,
-    truncate: bool,
-    cache: ResultCache | None,
-    deadline: float,
-) -> tuple[Classified, list[str]]:
-    """One model answers every text."""
-    result = await runner.classify(texts, adapter, truncate, cache, deadline)
-    return result, [runner.served.name] * len(texts)
+def _part(result: Classified, indexes: list[int]) -> Classified:
+    """The answers at `indexes`, in that order."""
+    return Classified([result.scores[i] for i in indexes], [result.tiers[i] for i in indexes])
+
+
+def _spread(
+    own_adapters: list[str | None],
+    routes: TextRoutes,
+    adapters: dict[str, str | None],
+    count: int,
+) -> list[str | None]:
+    """Per text of the request, its adapter: the model's own texts' as given, a routed
+    text's model's default."""
+    spread: list[str | None] = [None] * count
+    for index, adapter in zip(routes.own, own_adapters, strict=True):
+        spread[index] = adapter
+    for name, indexes in routes.routed.items():
+        for index in indexes:
+            spread[index] = adapters[name]
+    return spread
 
 
 async def refused_as_service_errors(work: Coroutine[Any, Any, Result]) -> Result:

@@ -22,6 +22,12 @@ class InvalidInput(ServiceError):
     code = "invalid_input"
 
 
+class OtherLanguage(InvalidInput):
+    """A text in a language the model does not read, where the model says to refuse it."""
+
+    code = "other_language"
+
+
 class NotFound(ServiceError):
     """No model, adapter or cascade of that name."""
 
@@ -75,6 +81,7 @@ REFUSALS: dict[str, type[ServiceError]] = {
     for kind in (
         ServiceError,
         InvalidInput,
+        OtherLanguage,
         NotFound,
         Conflict,
         Forbidden,

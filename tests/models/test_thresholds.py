@@ -17,21 +17,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from api.http.app import create_app
 from api.models.spec import EMBEDDED_MODELS_FILE, ModelSpec
 from tests.support.in_process import make_settings, spec_for, wait_ready
-from tests.support.tiny_models import LABELS, TinyModel, write_models_file
+from tests.support.tiny_models import LABELS, TinyModel, spam_entry, write_models_file
 
 TEXTS = ["win a free prize now call", "are we still meeting for lunch tomorrow", "ok", "txt stop"]
-
-
-def entry(tiny: TinyModel, name: str, **fields: object) -> dict[str, object]:
-    """A models-file entry serving `tiny` with its spam adapter."""
-    return {
-        "name": name,
-        "base": str(tiny.base),
-        "labels": LABELS,
-        "max_length": 32,
-        "adapters": [{"name": "spam", "path": str(tiny.adapters["spam"])}],
-        **fields,
-    }
 
 
 def info_and_scores(models_file: Path, **settings: object) -> tuple[dict, list]:  # type: ignore[type-arg]
@@ -70,13 +58,13 @@ def test_thresholds_go_from_the_models_file_to_info_and_the_answers(
     ordered = sorted(reference)
     threshold = round((ordered[1] + ordered[2]) / 2, 6)
     plain = write_models_file(
-        tmp_path / "plain.yaml", [entry(tiny_bert, "cheap"), entry(tiny_llama, "big")]
+        tmp_path / "plain.yaml", [spam_entry(tiny_bert, "cheap"), spam_entry(tiny_llama, "big")]
     )
     chosen = write_models_file(
         tmp_path / "chosen.yaml",
         [
-            entry(tiny_bert, "cheap", decision_threshold=threshold, cascade_threshold=0.8),
-            entry(tiny_llama, "big"),
+            spam_entry(tiny_bert, "cheap", decision_threshold=threshold, cascade_threshold=0.8),
+            spam_entry(tiny_llama, "big"),
         ],
     )
     info, unshifted = info_and_scores(plain)

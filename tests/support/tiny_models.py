@@ -89,11 +89,15 @@ def _vocab() -> dict[str, int]:
     return {token: index for index, token in enumerate(dict.fromkeys(tokens))}
 
 
-def build_tokenizer(folder: Path, decoder: bool) -> PreTrainedTokenizerFast:
-    """A WordPiece tokenizer over a small vocabulary, saved as tokenizer.json."""
-    vocab = _vocab()
+def build_tokenizer(
+    folder: Path, decoder: bool, vocab: dict[str, int] | None = None
+) -> PreTrainedTokenizerFast:
+    """A WordPiece tokenizer over a small vocabulary (`vocab`, else the English one),
+    saved as tokenizer.json; the English one lower-cases."""
+    english = vocab is None
+    vocab = _vocab() if vocab is None else vocab
     core = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
-    core.normalizer = normalizers.BertNormalizer(lowercase=True)
+    core.normalizer = normalizers.BertNormalizer(lowercase=english)
     core.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     if decoder:
         core.post_processor = processors.TemplateProcessing(
@@ -136,12 +140,15 @@ def build_bert(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def build_encoder_classifier(folder: Path, model_type: str, seed: int = 0) -> Path:
-    """A 2-layer `electra` or `roberta` classifier with a random head, no adapter needed."""
+def build_encoder_classifier(
+    folder: Path, model_type: str, seed: int = 0, vocab: dict[str, int] | None = None
+) -> Path:
+    """A 2-layer `electra` or `roberta` classifier with a random head, no adapter needed;
+    its vocabulary `vocab` (else the English one)."""
     torch.manual_seed(seed)
-    build_tokenizer(folder, decoder=False)
+    build_tokenizer(folder, decoder=False, vocab=vocab)
     common: dict[str, object] = {
-        "vocab_size": len(_vocab()),
+        "vocab_size": len(vocab or _vocab()),
         "hidden_size": 64,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
@@ -234,6 +241,18 @@ def write_models_file(path: Path, entries: list[dict[str, object]]) -> Path:
     """A models file (JSON is YAML too) for the given model entries."""
     path.write_text(json.dumps({"models": entries}, default=str, indent=2), encoding="utf-8")
     return path
+
+
+def spam_entry(tiny: TinyModel, name: str, **fields: object) -> dict[str, object]:
+    """A models-file entry serving `tiny` with its spam adapter."""
+    return {
+        "name": name,
+        "base": str(tiny.base),
+        "labels": LABELS,
+        "max_length": 32,
+        "adapters": [{"name": "spam", "path": str(tiny.adapters["spam"])}],
+        **fields,
+    }
 
 
 def tiny_models_file(

@@ -54,6 +54,8 @@ def model_info(served: ServedModel, runner: ModelRunner | None) -> ModelInfo:
         architecture=loaded.architecture,
         quantization=spec.quantization,
         dtype=loaded.dtype,
+        languages=spec.languages,
+        on_other_language=spec.on_other_language,
         device=str(loaded.device),
         labels=loaded.labels,
         max_length=spec.max_length,

@@ -23,7 +23,7 @@ import msgspec
 
 # Bumped whenever a message changes: a front end and a model side of two releases (a
 # rolling update) refuse each other at once instead of misreading every call.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 LENGTH = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 1 << 30
 # Bytes a side lets wait for its peer to read before it takes no more work for it: a peer
@@ -90,6 +90,7 @@ class Answered(msgspec.Struct, array_like=True, tag="done"):
     cascade: bool
     cache_tiers: list[str]
     text_adapters: list[str | None] | None = None  # per text, where a canary split them
+    outside_languages: list[int] | None = None  # texts answered outside the model's languages
 
 
 class Refused(msgspec.Struct, array_like=True, tag="refused"):

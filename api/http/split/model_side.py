@@ -198,6 +198,7 @@ class ModelSide:
                 answer.cascade,
                 list(answer.cache_tiers),
                 answer.text_adapters,
+                answer.outside_languages,
             )
         )
 

@@ -241,6 +241,7 @@ class RemoteService(Lifecycle):
             reply.cascade,
             reply.cache_tiers,
             reply.text_adapters,
+            reply.outside_languages,
         )
 
 

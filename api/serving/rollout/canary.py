@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from api.models.predictor import Scores
 from api.serving.cache import ResultCache
 from api.serving.classify import Classified, ModelRunner
+from api.serving.grouped import Group, answered_by_one, gather_in_order
 
 
 async def classify_split(
@@ -17,29 +15,15 @@ async def classify_split(
     cache: ResultCache | None,
     deadline: float,
 ) -> tuple[Classified, list[str]]:
-    """Each text answered by its adapter: the groups are submitted together, so they meet in
-    the same batches; the answers back in the texts' order, and who answered each (this
-    model). A group refused or failed fails the request, and the other is not waited for."""
-    groups: dict[str | None, list[int]] = {}
+    """Each text answered by its adapter, the groups together (see gather_in_order): the
+    answers back in the texts' order, and who answered each (this model)."""
+    by_adapter: dict[str | None, list[int]] = {}
     for index, adapter in enumerate(text_adapters):
-        groups.setdefault(adapter, []).append(index)
-    tasks = [
-        asyncio.ensure_future(
-            runner.classify([texts[i] for i in indexes], adapter, truncate, cache, deadline)
+        by_adapter.setdefault(adapter, []).append(index)
+    groups: list[Group] = []
+    for adapter, indexes in by_adapter.items():
+        chosen = [texts[i] for i in indexes]
+        groups.append(
+            (indexes, answered_by_one(runner, chosen, adapter, truncate, cache, deadline))
         )
-        for adapter, indexes in groups.items()
-    ]
-    try:
-        parts = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    scores: list[Scores | None] = [None] * len(texts)
-    tiers = [""] * len(texts)
-    for indexes, part in zip(groups.values(), parts, strict=True):
-        for index, one, tier in zip(indexes, part.scores, part.tiers, strict=True):
-            scores[index], tiers[index] = one, tier
-    answered = Classified([one for one in scores if one is not None], tiers)
-    return answered, [runner.served.name] * len(texts)
+    return await gather_in_order(len(texts), groups)
