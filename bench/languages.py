@@ -12,28 +12,29 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from api.serving.languages import detect
 from bench.harness import REPORTS, host, load_average, run_head, write_report
+from scripts.spam_data import read_collection, read_ph_messages
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 5
-SETS = {
-    "SMS Spam Collection (English)": (ROOT / "data" / "sms_spam_collection.tsv", False),
-    "PH spam and marketing SMS (English, Taglish)": (
-        ROOT / "data" / "ph_spam_marketing_sms.tsv",
-        True,
-    ),
-    "Korean test texts (tests/data)": (ROOT / "tests" / "data" / "korean_sms.tsv", False),
+KOREAN = ROOT / "tests" / "data" / "korean_sms.tsv"
+
+
+def korean_texts() -> list[str]:
+    """The Korean test texts (`label<TAB>text` a line)."""
+    return [line.split("\t", 1)[1] for line in KOREAN.read_text(encoding="utf-8").splitlines()]
+
+
+SETS: dict[str, Callable[[], list[str]]] = {
+    "SMS Spam Collection (English)": lambda: [row.text for row in read_collection()],
+    "PH spam and marketing SMS (English, Taglish)": lambda: [m.text for m in read_ph_messages()],
+    "Korean test texts (tests/data)": korean_texts,
 }
-
-
-def texts_of(path: Path, has_header: bool) -> list[str]:
-    """The last column of each line of a TSV."""
-    lines = path.read_text(encoding="utf-8").splitlines()[1 if has_header else 0 :]
-    return [line.split("\t")[-1] for line in lines if line]
 
 
 def microseconds_a_text(texts: list[str]) -> float:
@@ -49,8 +50,8 @@ def microseconds_a_text(texts: list[str]) -> float:
 
 def measure() -> dict[str, Any]:
     figures: dict[str, Any] = {**run_head(host(), load_average()), "rounds": ROUNDS, "sets": []}
-    for name, (path, has_header) in SETS.items():
-        texts = texts_of(path, has_header)
+    for name, read in SETS.items():
+        texts = read()
         detected = Counter(detect(text) for text in texts)
         figures["sets"].append(
             {

@@ -179,6 +179,11 @@ def read_ph_messages(path: Path = PH_DATA_PATH, *, verify: bool = True) -> list[
     return messages
 
 
+def every_text() -> list[str]:
+    """Every published text of both corpora, in file order (duplicates kept), verified."""
+    return [row.text for row in read_collection()] + [m.text for m in read_ph_messages()]
+
+
 def message_key(text: str) -> str:
     """What makes two texts one message for splitting: case, spacing and digits ignored."""
     return re.sub(r"\s+", " ", re.sub(r"\d+", "0", text.casefold())).strip()

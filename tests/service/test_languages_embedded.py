@@ -15,12 +15,13 @@ from api.http.app import create_app
 from api.models.spec import load_models_file
 from api.service.contract import ClassifyRequest
 from api.serving.errors import OtherLanguage
+from scripts.spam_data import every_text
 from tests.support.in_process import make_settings, wait_ready
 from tests.support.tiny_models import embedded_encoder_file
 
 ROOT = Path(__file__).parents[2]
 KOREAN = ROOT / "tests" / "data" / "korean_sms.tsv"
-ENGLISH_SAMPLE_EVERY = 19  # about 400 of the 7,582 texts of data/: the test stays short
+ENGLISH_SAMPLE_EVERY = 19  # about 400 of the 7,559 texts of data/: the test stays short
 
 
 def korean_texts() -> dict[str, list[str]]:
@@ -32,12 +33,7 @@ def korean_texts() -> dict[str, list[str]]:
 
 
 def english_sample() -> list[str]:
-    texts = [
-        line.split("\t")[-1]
-        for name in ("sms_spam_collection.tsv", "ph_spam_marketing_sms.tsv")
-        for line in (ROOT / "data" / name).read_text(encoding="utf-8").splitlines()[1:]
-    ]
-    return texts[::ENGLISH_SAMPLE_EVERY]
+    return every_text()[::ENGLISH_SAMPLE_EVERY]
 
 
 def test_korean_texts_are_refused_by_the_embedded_encoder_in_every_door(tmp_path: Path) -> None:

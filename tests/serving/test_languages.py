@@ -10,9 +10,9 @@ import pytest
 from api.models.languages import reads, reported_languages
 from api.models.spec import ModelSpec
 from api.serving.languages import detect
+from scripts.spam_data import every_text
 
 KOREAN = Path(__file__).parents[1] / "data" / "korean_sms.tsv"
-DATA = Path(__file__).parents[2] / "data"
 
 
 @pytest.mark.parametrize(
@@ -68,12 +68,7 @@ def test_every_korean_test_text_is_korean_and_every_project_sms_is_not() -> None
     korean = [line.split("\t", 1)[1] for line in KOREAN.read_text("utf-8").splitlines()]
     assert len(korean) >= 240
     assert {detect(text) for text in korean} == {"ko"}
-    english = [
-        line.split("\t")[-1]
-        for name in ("sms_spam_collection.tsv", "ph_spam_marketing_sms.tsv")
-        for line in (DATA / name).read_text("utf-8").splitlines()
-    ]
-    assert {detect(text) for text in english} <= {"und-Latn", "none"}
+    assert {detect(text) for text in every_text()} <= {"und-Latn", "none"}
 
 
 def test_the_models_file_refuses_a_language_detection_cannot_tell() -> None:
