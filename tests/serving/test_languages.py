@@ -31,6 +31,9 @@ KOREAN = Path(__file__).parents[1] / "data" / "korean_sms.tsv"
         ("[Web발신] Your DHL parcel is on hold, pay the fee today", "und-Latn"),
         ("확인http://bit.ly/3kR9xT", "ko"),  # a URL glued to Hangul is still taken out
         ("test@naver.com 확인", "ko"),
+        ("메일 j.doe+kr@mail.co.kr 확인", "ko"),  # an address with dots and a "+" in its name
+        ("1764691373.12.3 안녕하세요", "ko"),  # a dotted number is no address, and no letter
+        ("Rs.500 cashback 안녕", "und-Latn"),  # "Rs" is letters: no domain follows the dot
         # No letters: no language, every model answers.
         ("😀🎉👍", "none"),
         ("010-1234-5678 42,000", "none"),
@@ -54,6 +57,22 @@ KOREAN = Path(__file__).parents[1] / "data" / "korean_sms.tsv"
 def test_detects_the_dominant_script(text: str, language: str) -> None:
     assert detect(text) == language
     assert language in reported_languages()  # the metric's label stays bounded
+
+
+@pytest.mark.parametrize(
+    ("token", "language"),
+    [
+        ("a." * 10_000, "und-Latn"),  # dotted, no domain: its letters count
+        ("a." * 9_998 + "com", "none"),  # one long domain: taken out whole
+        ("a" * 19_999 + "@", "und-Latn"),  # an e-mail's name without its domain
+        ("a@" * 10_000, "und-Latn"),  # no domain after any "@"
+        ("확인 " + "a." * 9_990 + "com", "ko"),  # beside a word: the domain is taken out
+    ],
+)
+def test_the_longest_address_like_token_a_request_may_hold(token: str, language: str) -> None:
+    # MAX_TEXT_CHARS as shipped (20,000): the address pattern starts only where a run of its
+    # characters does, so it scans such a token once (bench/reports/languages.md, last row).
+    assert detect(token) == language
 
 
 def test_a_model_reads_its_languages_their_script_and_texts_without_letters() -> None:
