@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 INSTALLED := $(VENV)/.installed
 
-.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-revisions bench-score bench-cascade bench-adapters bench-languages train train-llm clean
+.PHONY: serve test test-stack lint docs bench bench-load bench-speed bench-throughput bench-overload bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-revisions bench-score bench-cascade bench-adapters bench-languages train train-llm clean
 
 $(INSTALLED): pyproject.toml requirements/embedded-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -74,7 +74,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	touch $@
 
 ## bench: every benchmark, one after the other (reports in bench/reports/)
-bench: bench-load bench-speed bench-throughput bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters bench-rollout bench-languages
+bench: bench-load bench-speed bench-throughput bench-overload bench-tracing bench-frontend bench-split bench-split-served bench-split-waits bench-disk-tier bench-score bench-cascade bench-scale bench-replica-threads bench-adapters bench-rollout bench-languages
 
 ## bench-load: checkpoint load time, three ways, with peak RSS
 bench-load: $(BENCH_INSTALLED)
@@ -87,6 +87,10 @@ bench-speed: $(BENCH_INSTALLED)
 ## bench-throughput: the served model under 1-64 clients vs. a naive server and the raw model
 bench-throughput: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.throughput
+
+## bench-overload: 16 clients (saturated) and 128 sending 8 fresh texts a request, in turns (~3 min)
+bench-overload: $(BENCH_INSTALLED)
+	$(BIN)/python -m bench.overload
 
 ## bench-tracing: tracing off / on (sampling 1.0 and 0.1) and JSON access lines, in one run
 bench-tracing: $(BENCH_INSTALLED)

@@ -17,14 +17,9 @@ same texts and the same torch thread count (TORCH_NUM_THREADS, default: every co
 - long texts: served and raw again at 32 clients on texts of the model's max length (SMS
   texts joined), where the forward dominates and the per-request work matters least;
 - cache hit: the server with default settings (LRU on), one text repeated, timed by the
-  server's own request histogram with one client, and its ceiling in requests/s at 32;
-- overload: the server with default settings (admission by time on, LRU on), requests of 8
-  texts never sent before (bench/wrk/fresh.lua), at the saturating client count and at 4×
-  it, in 3 alternating rounds: the statuses (only 200 and 429 allowed, each 429 with
-  Retry-After), the 200s' texts/s against the saturated run's of the same round (median of
-  the rounds), and the 200s' p99 from the server's own histogram (wrk's latency mixes in the
-  429s).
+  server's own request histogram with one client, and its ceiling in requests/s at 32.
 
+Overload (8× the saturating clients) has a benchmark of its own, bench/overload.py.
 The load comes from `wrk` with bench/wrk/predict.lua, on 127.0.0.1 only: a compiled client,
 because a Python client would take a good part of one of the two cores from the server.
 Served and naive run side by side (the idle one costs nothing) and alternate at each
@@ -54,7 +49,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import (
     BUSY_LOAD,
-    FRESH_LUA,
     REPO,
     WORK,
     RunningServer,
@@ -74,9 +68,7 @@ from bench.harness import (
     stop_on_sigterm,
     wait_for_quiet,
     write_bodies,
-    write_literals,
     write_report,
-    wrk,
 )
 
 CACHE_OFF = {"LRU_CACHE_ENTRIES": "0", "DISK_CACHE_MAX_BYTES": "0"}
@@ -92,16 +84,8 @@ AIM_VS_RAW = 0.8
 TARGET_P99_MS = 2000.0
 TARGET_CACHE_HIT_MS = 2.0
 TARGET_CACHE_HIT_RPS = 4000.0
-# Overload: requests of this many fresh texts, at the saturating client count and at
-# OVERLOAD_FACTOR times it; the 200s must keep this share of the saturated texts/s.
-OVERLOAD_TEXTS = 8
-OVERLOAD_FACTOR = 4
-# Saturated and overloaded runs alternate this many times: the share is the median of the
-# rounds', as a drift of the machine's speed between two runs of 10 s reaches 20 % here.
-OVERLOAD_ROUNDS = 3
 # Likewise served (at TARGET_CLIENTS) and the raw model: served/raw is the median of these.
 RAW_ROUNDS = 3
-TARGET_OVERLOAD_SHARE = 0.9
 LONG_TEXT_CHARS = 600  # SMS texts joined up to this: past the embedded model's 128 tokens
 # Cores taken by other processes during a point above which it is measured again (once): the
 # machine is shared, and a test run or a training job starting mid-run skews one point.
@@ -203,21 +187,6 @@ class RawRound:
         return self.served_texts_per_s / self.raw_texts_per_s
 
 
-@dataclass(frozen=True)
-class LoadRun:
-    """One overload-bench run: requests of OVERLOAD_TEXTS fresh texts from `clients`."""
-
-    clients: int
-    seconds: float
-    statuses: dict[str, int]
-    no_retry_after: int  # 429s without a Retry-After header
-    socket_errors: int
-    ok_texts_per_s: float  # texts answered in 200s, per second
-    client_p99_ms: float  # wrk's, every answer (429s included)
-    ok_p99_bound_ms: float  # the server histogram's bucket bound holding 99 % of the 200s
-    ok_over_target: int  # 200s slower than TARGET_P99_MS at the server
-
-
 # --- texts and what a server says ---------------------------------------------------------
 
 
@@ -257,21 +226,6 @@ def scrape(url: str) -> dict[str, float]:
                 continue  # /ready and /metrics polls, and failures, are not the point
             values[sample.name] += sample.value
     return values
-
-
-def ok_latency_buckets(url: str) -> dict[float, float]:
-    """Cumulative counts of /predict's 200s by upper bound (the server's request histogram)."""
-    buckets: dict[float, float] = {}
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "loraserve_request_duration_seconds_bucket" and (
-                sample.labels.get("route"),
-                sample.labels.get("status"),
-            ) == ("/predict", "200"):
-                bound = float(sample.labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
-    return buckets
 
 
 # --- load ----------------------------------------------------------------------------------
@@ -501,59 +455,6 @@ def long_texts(config: Config, bodies: Path) -> Point:
     return point
 
 
-def overload(config: Config, texts: Path) -> list[tuple[LoadRun, LoadRun]]:
-    """The server as shipped under fresh 8-text requests, saturated and at 4× the clients,
-    in OVERLOAD_ROUNDS rounds whose order alternates; (saturated, overloaded) per round."""
-    rounds: list[tuple[LoadRun, LoadRun]] = []
-    levels = (TARGET_CLIENTS, OVERLOAD_FACTOR * TARGET_CLIENTS)
-    with server("overload", {}, config.threads) as target:
-
-        def env() -> dict[str, str]:
-            # A new RUN each wrk run (the disk cache outlives a bench run): never-sent texts.
-            run = str(time.time_ns())
-            return {"TEXTS": str(texts), "TEXTS_PER": str(OVERLOAD_TEXTS), "RUN": run}
-
-        for number in range(OVERLOAD_ROUNDS):
-            runs: dict[int, LoadRun] = {}
-            for clients in levels if number % 2 == 0 else levels[::-1]:
-                if config.warmup > 0:
-                    wrk(target.url, clients, config.warmup, FRESH_LUA, env())
-                before = ok_latency_buckets(target.url)
-                summary = wrk(target.url, clients, config.duration, FRESH_LUA, env())
-                after = ok_latency_buckets(target.url)
-                runs[clients] = load_run(clients, summary, before, after)
-                print(json.dumps({"overload": asdict(runs[clients])}), flush=True)
-            rounds.append((runs[levels[0]], runs[levels[1]]))
-    return rounds
-
-
-def overload_share(round_: tuple[LoadRun, LoadRun]) -> float:
-    """The overloaded run's texts/s in 200s over the saturated run's, in one round."""
-    saturated, over = round_
-    return over.ok_texts_per_s / max(saturated.ok_texts_per_s, 1e-9)
-
-
-def load_run(
-    clients: int, summary: dict[str, Any], before: dict[float, float], after: dict[float, float]
-) -> LoadRun:
-    seconds = summary["duration_us"] / 1e6
-    counts = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
-    total = counts.get(float("inf"), 0.0)
-    bound = next((b for b, n in counts.items() if n >= 0.99 * total), float("inf"))
-    statuses = {str(k): int(v) for k, v in summary["statuses"].items()}
-    return LoadRun(
-        clients=clients,
-        seconds=round(seconds, 2),
-        statuses=statuses,
-        no_retry_after=summary["no_retry_after"],
-        socket_errors=sum(summary["socket_errors"].values()),
-        ok_texts_per_s=round(statuses.get("200", 0) * OVERLOAD_TEXTS / seconds, 1),
-        client_p99_ms=round(summary["latency_us"]["p99"] / 1000, 1),
-        ok_p99_bound_ms=1000 * bound,
-        ok_over_target=round(total - counts.get(TARGET_P99_MS / 1000, total)),
-    )
-
-
 # --- the report ----------------------------------------------------------------------------
 
 
@@ -571,7 +472,6 @@ def targets(
     raw: dict[str, float],
     rounds: list[RawRound],
     hit: CacheHit,
-    loads: list[tuple[LoadRun, LoadRun]],
 ) -> list[dict[str, Any]]:
     """Each target with the measured value and whether it is met.
 
@@ -605,18 +505,6 @@ def targets(
             }
         )
     failed = sum(p.non_200 + p.socket_errors for p in points) + hit.non_200
-    overloaded = [over for _, over in loads]
-    statuses: dict[str, int] = {}
-    for over in overloaded:
-        for status, count in over.statuses.items():
-            statuses[status] = statuses.get(status, 0) + count
-    unexpected = {s: n for s, n in statuses.items() if s not in ("200", "429")}
-    no_retry_after = sum(over.no_retry_after for over in overloaded)
-    socket_errors = sum(over.socket_errors for over in overloaded)
-    worst_p99 = max(over.ok_p99_bound_ms for over in overloaded)
-    over_target = sum(over.ok_over_target for over in overloaded)
-    share = statistics.median(overload_share(round_) for round_ in loads)
-    clients = overloaded[0].clients
     found += [
         {
             "target": f"cache hit < {TARGET_CACHE_HIT_MS:g} ms at the server",
@@ -629,24 +517,6 @@ def targets(
             "measured": f"{hit.ceiling_requests_per_s:.0f} req/s",
             "met": hit.ceiling_requests_per_s >= TARGET_CACHE_HIT_RPS,
         },
-        {
-            "target": f"overload ({clients} clients): only 200 and 429, every 429 with "
-            "Retry-After, no socket error",
-            "measured": f"{statuses}, {no_retry_after} without Retry-After, "
-            f"{socket_errors} socket errors",
-            "met": not unexpected and no_retry_after == 0 and socket_errors == 0,
-        },
-        {
-            "target": f"overload: p99 of the 200s < {TARGET_P99_MS / 1000:g} s (every round)",
-            "measured": f"≤ {worst_p99:g} ms ({over_target} over {TARGET_P99_MS / 1000:g} s)",
-            "met": worst_p99 <= TARGET_P99_MS,
-        },
-        target(
-            f"overload: 200s' texts/s ≥ {TARGET_OVERLOAD_SHARE:g}× saturated "
-            f"({TARGET_CLIENTS} clients; median of {len(loads)} rounds)",
-            share,
-            TARGET_OVERLOAD_SHARE,
-        ),
         {
             "target": "no failed request (non-200, socket error)",
             "measured": str(failed),
@@ -739,26 +609,6 @@ def env_text(env: dict[str, str]) -> str:
     return ", ".join(f"{key}={value}" for key, value in env.items())
 
 
-def overload_table(loads: list[tuple[LoadRun, LoadRun]]) -> list[str]:
-    lines = [
-        "| round | clients | statuses | 429 without Retry-After | socket errors "
-        "| texts/s in 200s | × saturated | 200s p99 (server) | 200s over 2 s "
-        "| p99 of every answer (wrk) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for number, round_ in enumerate(loads, start=1):
-        for run in round_:
-            statuses = ", ".join(f"{s}: {n}" for s, n in sorted(run.statuses.items()))
-            share = f"{overload_share(round_):.2f}" if run is round_[1] else ""
-            lines.append(
-                f"| {number} | {run.clients} | {statuses} | {run.no_retry_after} "
-                f"| {run.socket_errors} | {run.ok_texts_per_s:.1f} | {share} "
-                f"| ≤ {run.ok_p99_bound_ms:g} ms | {run.ok_over_target} "
-                f"| {run.client_p99_ms:.1f} ms |"
-            )
-    return lines
-
-
 def raw_rounds_table(rounds: list[RawRound]) -> list[str]:
     lines = [
         f"| round | served texts/s ({TARGET_CLIENTS} clients) | raw texts/s (batch 32) "
@@ -781,7 +631,6 @@ def markdown(
     found: list[dict[str, Any]],
     meta: dict[str, Any],
     long: tuple[Point, dict[str, float]],
-    loads: list[tuple[LoadRun, LoadRun]],
 ) -> str:
     m, config = meta["machine"], meta["config"]
     load = meta["load_average"]
@@ -852,23 +701,6 @@ def markdown(
         f"{hit.client_p50_ms:.3f} ms, p99 {hit.client_p99_ms:.3f} ms. Its ceiling, the same "
         f"text from {hit.ceiling_clients} connections: **{hit.ceiling_requests_per_s:.0f} "
         f"req/s** ({hit.ceiling_lru_hits} LRU hits).",
-        "",
-        "## Overload",
-        "",
-        f"The server as shipped (admission by time on, target "
-        f"{TARGET_P99_MS / 1000:g} s; LRU on), requests of {OVERLOAD_TEXTS} texts never sent "
-        f"before (bench/wrk/fresh.lua: each text an SMS with a unique prefix), "
-        f"{config['duration']:g} s each after a {config['warmup']:g} s warm-up, at "
-        f"{TARGET_CLIENTS} clients (saturated) and {OVERLOAD_FACTOR}× that, in {len(loads)} "
-        "rounds whose order alternates (× saturated: against the same round's saturated run). "
-        "The 200s' p99 is "
-        "the bound of the server histogram's bucket holding 99 % of them "
-        '(`loraserve_request_duration_seconds{route="/predict",status="200"}`): wrk '
-        "times every answer, the 429s included. wrk sends its next request at once, whatever "
-        "`Retry-After` says, so each 429 is held `REFUSAL_DELAY_SECONDS` (1 s as shipped) "
-        "before it goes out.",
-        "",
-        *overload_table(loads),
         "",
         "## Targets",
         "",
@@ -1036,7 +868,6 @@ def main(argv: list[str] | None = None) -> int:
     bodies = write_bodies(texts, WORK / "bodies.jsonl")
 
     long_bodies = write_bodies(joined_texts(texts, LONG_TEXT_CHARS), WORK / "long-bodies.jsonl")
-    literals = write_literals(texts, WORK / "texts.jsonl")
 
     with raw_model(config, bodies) as model:
         points, rounds = served_and_naive(config, bodies, model)
@@ -1049,11 +880,10 @@ def main(argv: list[str] | None = None) -> int:
     with raw_model(config, long_bodies) as model:
         long = (long_point, {**model.measure(config.duration, ["batch32"]), **model.described})
     hit = cache_hit(config, texts[0])
-    loads = overload(config, literals)
 
-    found = targets(points, raw, rounds, hit, loads)
+    found = targets(points, raw, rounds, hit)
     meta = run_meta("bench.throughput", argv, load, model_name(), config, started)
-    text = markdown(points, raw, rounds, hit, found, meta, long, loads)
+    text = markdown(points, raw, rounds, hit, found, meta, long)
     data = {
         "meta": meta,
         "points": [asdict(p) for p in points],
@@ -1061,7 +891,6 @@ def main(argv: list[str] | None = None) -> int:
         "served_vs_raw_rounds": [asdict(round_) for round_ in rounds],
         "long_texts": {"served": asdict(long[0]), "raw_texts_per_s": long[1]},
         "cache_hit": asdict(hit),
-        "overload": [[asdict(run) for run in round_] for round_ in loads],
         "targets": found,
     }
     write(config.out, text, data, points, raw)
