@@ -169,8 +169,9 @@ class Metrics:
         )
         self.admission_refusals = Counter(
             f"{p}_admission_refusals",
-            "Requests refused (429) because they would finish past the latency target",
-            ["model"],
+            "Requests refused (429) because they would finish past the latency target, judged "
+            "on their texts' lengths estimated from their characters, or on their tokens",
+            ["model", "judged_on"],
             registry=r,
         )
         self.non_finite_rows = Counter(

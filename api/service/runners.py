@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from prometheus_client import Counter
 
 from api.metrics import SHADOW_DROP_REASONS, Metrics
 from api.models.faults import is_fatal_device_error
 from api.models.predictor import NonFiniteScores, Scores
 from api.models.registry import Registry, ServedModel
 from api.serving.adapters import AdapterSet
-from api.serving.admission import Admission
+from api.serving.admission import ON_ESTIMATE, ON_TOKENS, Admission
 from api.serving.batch_limits import BatchLimits
 from api.serving.batching import Batcher, BatchStats
 from api.serving.classify import ModelRunner
@@ -33,10 +36,13 @@ def start_runners(
         # One thread and one slot per device: one batch at a time on each device.
         executor = registry.device_thread(served.loaded.device)
         slot = slots.setdefault(str(served.loaded.device), asyncio.Semaphore(1))
-        refused = metrics.admission_refusals.labels(served.name)
+        refused = {
+            judged_on: metrics.admission_refusals.labels(served.name, judged_on)
+            for judged_on in (ON_ESTIMATE, ON_TOKENS)
+        }
         admission = Admission(
             settings.latency_target_seconds,
-            on_refuse=refused.inc,
+            on_refuse=partial(_count_refusal, refused),
             enabled=settings.admission_control,
         )
         admission.cost.start_from(served.probe_costs)
@@ -148,3 +154,7 @@ def _report_model(metrics: Metrics, served: ServedModel) -> None:
             loaded.dtype,
             str(loaded.device),
         ).set(1)
+
+
+def _count_refusal(counters: dict[str, Counter], judged_on: str) -> None:
+    counters[judged_on].inc()

@@ -37,6 +37,11 @@ OVERRUN_START = 2.0
 OVERRUN_MAX = 4.0
 
 
+# What a refusal was judged on (the label of loraserve_admission_refusals_total): the texts'
+# lengths estimated from their characters, before tokenizing, or their tokens.
+ON_ESTIMATE, ON_TOKENS = "estimate", "tokens"
+
+
 class NotAdmitted(Exception):
     """The request would finish past its deadline or the latency target: try again later."""
 
@@ -131,7 +136,7 @@ class Admission:
             OVERRUN_QUANTILE, OVERRUN_STEP, OVERRUN_START, ceiling=OVERRUN_MAX
         )
     )
-    on_refuse: Callable[[], None] | None = None  # for metrics
+    on_refuse: Callable[[str], None] | None = None  # for metrics: what it was judged on
     enabled: bool = True  # off: every request is queued (up to the queue's bound)
 
     def batch_ran(self, stats: BatchStats) -> None:
@@ -139,11 +144,14 @@ class Admission:
         if not stats.failed:
             self.cost.observe(stats.tokens, stats.run_seconds)
 
-    def check(self, backlog: Backlog, seconds_left: float) -> float | None:
+    def check(
+        self, backlog: Backlog, seconds_left: float, judged_on: str = ON_TOKENS
+    ) -> float | None:
         """Raises NotAdmitted when the request would finish past `seconds_left` or the
         target: after the running batch's rest and every batch its rows and the rows queued
-        before it make (see Backlog). Else returns its wait as estimated from the backlog,
-        for `waited` (None: unmeasured, or admission off)."""
+        before it make (see Backlog; `judged_on` says whether its rows are tokenized or
+        estimated). Else returns its wait as estimated from the backlog, for `waited` (None:
+        unmeasured, or admission off)."""
         if not self.enabled:
             return None
         limit = HEADROOM * min(seconds_left, self.target_seconds)
@@ -154,7 +162,7 @@ class Admission:
             # burst cannot queue more than it can judge.
             if backlog.ahead.batches == 0:
                 return None
-            self._refused()
+            self._refused(judged_on)
             raise NotAdmitted(float("nan"), limit, 1)
         running_left = 0.0
         if backlog.running_tokens:  # at least nothing, once it has run past its estimate
@@ -171,7 +179,7 @@ class Admission:
             # nothing running either, that is every request refused so far: were it
             # refused, no batch would run to correct the estimate.)
             return estimate
-        self._refused()
+        self._refused(judged_on)
         # Retry once what runs and is queued now has drained, in whole seconds as HTTP says.
         ahead = self.overrun.value * (running_left + fit.seconds(backlog.ahead))
         raise NotAdmitted(expected, limit, max(1, math.ceil(ahead)))
@@ -182,6 +190,6 @@ class Admission:
         if estimate > 0:
             self.overrun.observe(max(seconds, 1e-6) / estimate)
 
-    def _refused(self) -> None:
+    def _refused(self, judged_on: str) -> None:
         if self.on_refuse is not None:
-            self.on_refuse()
+            self.on_refuse(judged_on)

@@ -282,6 +282,19 @@ class Batcher(Generic[Result]):
             running_seconds=0.0 if running is None else time.monotonic() - self._running_since,
         )
 
+    def backlog_of_lengths(self, own_lengths: dict[int, int]) -> Backlog:
+        """What a request of rows of these lengths (length: count), not yet tokenized, would
+        wait for, each of its rows counted as its own (one queued for another request may
+        be among them, in truth run once for both)."""
+        running = self._running_batch
+        return QueuedBacklog(
+            ahead_lengths=dict(self._waited_lengths),
+            own_lengths=own_lengths,
+            limits=self.limits,
+            running_tokens=0 if running is None else running.tokens(),
+            running_seconds=0.0 if running is None else time.monotonic() - self._running_since,
+        )
+
     @property
     def requests(self) -> int:
         """Requests admitted and not yet answered."""

@@ -11,7 +11,7 @@ from api.models.predictor import Scores
 from api.models.registry import ServedModel
 from api.observability import tracing
 from api.serving.adapters import AdapterSet, Lease
-from api.serving.admission import Admission
+from api.serving.admission import ON_ESTIMATE, Admission
 from api.serving.batching import Batcher
 from api.serving.cache import Entry, ResultCache, cache_key
 from api.serving.cache.tiers import DEFAULT_TIER_NAMES, Lookup
@@ -19,6 +19,7 @@ from api.serving.cache.verify import AnswerShape
 from api.serving.errors import DeadlineExceeded
 from api.serving.gathered_encoding import GatheredEncoder
 from api.serving.identity import AnswerIdentity
+from api.serving.token_estimate import TokenEstimate
 
 
 @dataclass
@@ -149,11 +150,26 @@ class ModelRunner:
             cache.store([found.keys[i] for i in missing], entries)
         return Classified([r for r in results if r is not None], found.tiers)
 
+    @cached_property
+    def _token_estimate(self) -> TokenEstimate:
+        return TokenEstimate(self.served.predictor.max_length)
+
     async def _compute(
         self, texts: list[str], adapter: str | None, truncate: bool, deadline: float
     ) -> list[Scores]:
+        # Judged first on the texts' lengths as estimated from their characters: under
+        # overload most requests are refused, and tokenizing them took CPU from the forward
+        # (bench/reports/overload.md). One that passes is judged again once tokenized.
+        estimated = self._token_estimate.lengths(texts)
+        if estimated is not None:
+            backlog = self.batcher.backlog_of_lengths(estimated)
+            # With nothing queued ahead only its real length tells: a request over the
+            # target on its own is run alone, not refused.
+            if backlog.ahead.batches:
+                self.admission.check(backlog, seconds_left(deadline), ON_ESTIMATE)
         with tracing.span("tokenize"):
             rows = await self._encoder.encode(texts, truncate)
+        self._token_estimate.observe(texts, rows)
         left = seconds_left(deadline)
         adapters = [adapter] * len(rows)
         with tracing.span("admission"):
