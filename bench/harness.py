@@ -396,6 +396,20 @@ def out_folder(out: Path | None, quick: bool, name: str) -> Path:
     return out or (OUT / f"{name}-quick" if quick else REPORTS)
 
 
+def targets_table(found: Sequence[dict[str, Any]]) -> list[str]:
+    """A report's "Targets" section: each target, what was measured, and whether it is met."""
+    return [
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        *(
+            f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |"
+            for t in found
+        ),
+    ]
+
+
 def write_report(out: Path, name: str, figures: dict[str, Any], page: str, indent: int = 2) -> None:
     """`out/name.json` (the figures) and `out/name.md` (the page), then the page printed."""
     out.mkdir(parents=True, exist_ok=True)

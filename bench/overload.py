@@ -45,6 +45,7 @@ from bench.harness import (
     server,
     shown,
     stop_on_sigterm,
+    targets_table,
     write_literals,
     write_report,
     wrk,
@@ -237,14 +238,7 @@ def markdown(figures: dict[str, Any], loads: list[tuple[LoadRun, LoadRun]]) -> s
         "",
         *table(loads),
         "",
-        "## Targets",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *(
-            f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |"
-            for t in found
-        ),
+        *targets_table(found),
     ]
     return "\n".join(lines) + "\n"
 

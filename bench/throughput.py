@@ -66,6 +66,7 @@ from bench.harness import (
     shown,
     stop,
     stop_on_sigterm,
+    targets_table,
     wait_for_quiet,
     write_bodies,
     write_report,
@@ -702,14 +703,7 @@ def markdown(
         f"text from {hit.ceiling_clients} connections: **{hit.ceiling_requests_per_s:.0f} "
         f"req/s** ({hit.ceiling_lru_hits} LRU hits).",
         "",
-        "## Targets",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *(
-            f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |"
-            for t in found
-        ),
+        *targets_table(found),
         "",
         *reading(points),
         "## What the server did (from its /metrics, and CPU time from /proc)",

@@ -273,23 +273,19 @@ class Batcher(Generic[Result]):
                     ahead[queued] = ahead.get(queued, 0) - 1
             length = len(key[1])
             own[length] = own.get(length, 0) + 1
-        running = self._running_batch
-        return QueuedBacklog(
-            ahead_lengths=ahead,
-            own_lengths=own,
-            limits=self.limits,
-            running_tokens=0 if running is None else running.tokens(),
-            running_seconds=0.0 if running is None else time.monotonic() - self._running_since,
-        )
+        return self._queued_backlog(ahead, own)
 
     def backlog_of_lengths(self, own_lengths: dict[int, int]) -> Backlog:
         """What a request of rows of these lengths (length: count), not yet tokenized, would
         wait for, each of its rows counted as its own (one queued for another request may
         be among them, in truth run once for both)."""
+        return self._queued_backlog(dict(self._waited_lengths), own_lengths)
+
+    def _queued_backlog(self, ahead: dict[int, int], own: dict[int, int]) -> QueuedBacklog:
         running = self._running_batch
         return QueuedBacklog(
-            ahead_lengths=dict(self._waited_lengths),
-            own_lengths=own_lengths,
+            ahead_lengths=ahead,
+            own_lengths=own,
             limits=self.limits,
             running_tokens=0 if running is None else running.tokens(),
             running_seconds=0.0 if running is None else time.monotonic() - self._running_since,

@@ -82,6 +82,7 @@ def _script(char: str) -> tuple[str, int] | None:
 def without_addresses(text: str) -> list[str]:
     """The text's whitespace-separated tokens, each without the URLs and e-mail addresses
     it holds."""
+    # `_holds_address` written out: a call a token cost Korean texts ~7 % (timeit, in turns).
     return [
         _ADDRESS.sub("", token)
         if ("." in token or "@" in token) and _ADDRESS_MARK.search(token)
