@@ -121,6 +121,11 @@ class Classifier(Protocol):
 
     def begin_drain(self) -> None: ...
 
+    def abandon_unanswered(self, reason: str) -> int:
+        """Answers the work still waiting with Unavailable for `reason`, at once (the drain
+        has run out); the count of what was so answered."""
+        ...
+
     async def classify(self, request: ClassifyRequest) -> Answer:
         """The texts scored, or a refusal of api.serving.errors."""
         ...

@@ -28,7 +28,7 @@ from api.serving.adapters import (
     LoadResult,
 )
 from api.serving.admission import NotAdmitted
-from api.serving.batching import BatchFailed, QueueFull
+from api.serving.batching import BatchFailed, QueueFull, Stopped
 from api.serving.cache import ResultCache
 from api.serving.cache.tiers import DEFAULT_TIER_NAMES
 from api.serving.cascade import CASCADE_NAME, Cascade, cascade_models, cascade_threshold
@@ -42,6 +42,7 @@ from api.serving.errors import (
     NotFound,
     Overloaded,
     ServiceError,
+    Unavailable,
 )
 from api.serving.grouped import Answered, Group, answered_by_one, gather_in_order
 from api.serving.heap import ServingHeap
@@ -128,6 +129,11 @@ class Service(Lifecycle):
         await self._loaded.wait()
         if self.phase is not Phase.READY:
             raise StartFailed(self.error or f"service is {self.phase.value}")
+
+    def abandon_unanswered(self, reason: str) -> int:
+        """Answers every request still waiting for its batch now, with Unavailable (503 and
+        Retry-After) for `reason`: the drain has run out. Returns the texts so answered."""
+        return sum(runner.batcher.abandon(reason) for runner in self.runners.values())
 
     async def close(self) -> None:
         """Takes no new work, then stops loading, the batchers, the adapters, the models and
@@ -485,6 +491,8 @@ def service_error(exc: Exception) -> ServiceError | None:
         return Overloaded(f"model is busy: {exc}", RETRY_SOON_SECONDS)
     if isinstance(exc, NotAdmitted):
         return Overloaded(f"model is busy: {exc}", exc.retry_after)
+    if isinstance(exc, Stopped):
+        return Unavailable(f"the service stopped before answering: {exc}", RETRY_SOON_SECONDS)
     if isinstance(exc, BatchFailed):
         return InferenceFailed(f"inference failed: {exc}", RETRY_SOON_SECONDS)
     if isinstance(exc, UnknownName):  # an adapter unloaded between the pick and its batch

@@ -40,6 +40,10 @@ class BatchFailed(Exception):
     """The forward pass of the batch holding this request failed."""
 
 
+class Stopped(Exception):
+    """The service stopped before this row was answered (see `Batcher.abandon`)."""
+
+
 class ShadowDropped(Exception):
     """A shadow row that was not scored, and why (see `Batcher.shadow`)."""
 
@@ -318,6 +322,35 @@ class Batcher(Generic[Result]):
         for row in self._shadow:
             self._drop_shadow(row.future, "stopped")
         self._shadow.clear()
+
+    def abandon(self, reason: str) -> int:
+        """Fails every client row queued or running with Stopped(`reason`) at once, so that
+        each request still waiting is answered now (a drain ran out): a request cut off
+        as the server stops would otherwise be cancelled mid-wait, with no answer. The
+        queued rows are dropped unrun (reason "stopped"); a running batch still ends on the
+        device, its results unused. Shadow rows are dropped as stopped. Returns the client
+        rows failed."""
+        failed = 0
+        running = [] if self._running_batch is None else self._running_batch.rows
+        for row in running:
+            if row.shadow:
+                self._drop_shadow(row.future, "stopped")
+            elif not row.future.done():
+                row.future.set_exception(Stopped(reason))
+                _settle(row)
+                failed += 1
+        for row in self._pending:
+            if not row.future.done():
+                row.future.set_exception(Stopped(reason))
+                _settle(row)
+                failed += 1
+            self._forget(row, "stopped")
+        self._pending.clear()
+        self._waited_lengths.clear()
+        for row in self._shadow:
+            self._drop_shadow(row.future, "stopped")
+        self._shadow.clear()
+        return failed
 
     async def submit(
         self, rows: list[list[int]], adapters: list[str | None], timeout: float

@@ -15,6 +15,7 @@ from api.serving.batching import (
     BatchLimits,
     BatchStats,
     QueueFull,
+    Stopped,
     cheapest_group_of,
 )
 from api.serving.errors import DeadlineExceeded
@@ -288,6 +289,29 @@ async def test_item_past_its_deadline_is_dropped_unrun(executor: ThreadPoolExecu
     ran = [ids for batch in fake.batches for _, ids in batch]
     assert [2] not in ran and dropped
     await batcher.stop()
+
+
+async def test_abandon_answers_the_running_and_queued_rows_at_once(
+    executor: ThreadPoolExecutor,
+) -> None:
+    """A drain that ran out: every waiting request is failed now, the queued rows unrun."""
+    fake = FakePredictor()
+    fake.gate.clear()
+    dropped: list[str] = []
+    batcher = batcher_for(fake, executor, max_batch_size=1, max_wait_seconds=0)
+    batcher._on_drop = dropped.append
+    running = asyncio.ensure_future(batcher.submit([[1]], ["a"], 10))
+    await asyncio.sleep(0.05)  # [1] is on the device, held there by the gate
+    queued = asyncio.ensure_future(batcher.submit([[2], [3]], ["a", "a"], 10))
+    await asyncio.sleep(0.05)
+    assert batcher.abandon("the drain ran out") == 3
+    for request in (running, queued):
+        with pytest.raises(Stopped, match="the drain ran out"):
+            await asyncio.wait_for(request, 1)  # answered while the forward still runs
+    assert dropped == ["stopped", "stopped"] and batcher.queued_rows == 0
+    fake.gate.set()
+    await batcher.stop()
+    assert [ids for batch in fake.batches for _, ids in batch] == [[1]]
 
 
 async def test_failing_batch_fails_only_its_requests(executor: ThreadPoolExecutor) -> None:
