@@ -120,17 +120,14 @@ class Server(uvicorn.Server):
         while self.service.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.service.in_flight:
-            # Answered 503 now, not cut off unanswered by the server's own shutdown.
-            texts = self.service.abandon_unanswered(
-                f"DRAIN_SECONDS ({self.drain_seconds:g} s) ran out"
-            )
             logger.warning(
                 "drain: DRAIN_SECONDS (%g s) ran out with %d accepted requests unanswered; "
-                "%d waiting texts answered 503",
+                "they are answered 503",
                 self.drain_seconds,
                 self.service.in_flight,
-                texts,
             )
+            # Answered now, not cut off unanswered by the server's own shutdown.
+            self.service.abandon_unanswered(f"DRAIN_SECONDS ({self.drain_seconds:g} s) ran out")
         else:
             logger.info(
                 "drained in %.2f s: every accepted request answered", time.monotonic() - started

@@ -121,9 +121,9 @@ class Classifier(Protocol):
 
     def begin_drain(self) -> None: ...
 
-    def abandon_unanswered(self, reason: str) -> int:
+    def abandon_unanswered(self, reason: str) -> None:
         """Answers the work still waiting with Unavailable for `reason`, at once (the drain
-        has run out); the count of what was so answered."""
+        has run out)."""
         ...
 
     async def classify(self, request: ClassifyRequest) -> Answer:

@@ -130,10 +130,11 @@ class Service(Lifecycle):
         if self.phase is not Phase.READY:
             raise StartFailed(self.error or f"service is {self.phase.value}")
 
-    def abandon_unanswered(self, reason: str) -> int:
+    def abandon_unanswered(self, reason: str) -> None:
         """Answers every request still waiting for its batch now, with Unavailable (503 and
-        Retry-After) for `reason`: the drain has run out. Returns the texts so answered."""
-        return sum(runner.batcher.abandon(reason) for runner in self.runners.values())
+        Retry-After) for `reason`: the drain has run out."""
+        for runner in self.runners.values():
+            runner.batcher.abandon(reason)
 
     async def close(self) -> None:
         """Takes no new work, then stops loading, the batchers, the adapters, the models and

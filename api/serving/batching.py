@@ -319,38 +319,31 @@ class Batcher(Generic[Result]):
                 _settle(row)
         self._pending.clear()
         self._waited_lengths.clear()
-        for row in self._shadow:
-            self._drop_shadow(row.future, "stopped")
-        self._shadow.clear()
+        self._drop_queued_shadow("stopped")
 
-    def abandon(self, reason: str) -> int:
+    def abandon(self, reason: str) -> None:
         """Fails every client row queued or running with Stopped(`reason`) at once, so that
         each request still waiting is answered now (a drain ran out): a request cut off
         as the server stops would otherwise be cancelled mid-wait, with no answer. The
         queued rows are dropped unrun (reason "stopped"); a running batch still ends on the
-        device, its results unused. Shadow rows are dropped as stopped. Returns the client
-        rows failed."""
-        failed = 0
+        device, its results unused. Shadow rows are dropped as stopped."""
         running = [] if self._running_batch is None else self._running_batch.rows
-        for row in running:
+        for row in [*running, *self._pending]:  # queued shadow rows wait in self._shadow
             if row.shadow:
                 self._drop_shadow(row.future, "stopped")
             elif not row.future.done():
                 row.future.set_exception(Stopped(reason))
                 _settle(row)
-                failed += 1
         for row in self._pending:
-            if not row.future.done():
-                row.future.set_exception(Stopped(reason))
-                _settle(row)
-                failed += 1
             self._forget(row, "stopped")
         self._pending.clear()
         self._waited_lengths.clear()
+        self._drop_queued_shadow("stopped")
+
+    def _drop_queued_shadow(self, reason: str) -> None:
         for row in self._shadow:
-            self._drop_shadow(row.future, "stopped")
+            self._drop_shadow(row.future, reason)
         self._shadow.clear()
-        return failed
 
     async def submit(
         self, rows: list[list[int]], adapters: list[str | None], timeout: float

@@ -304,7 +304,7 @@ async def test_abandon_answers_the_running_and_queued_rows_at_once(
     await asyncio.sleep(0.05)  # [1] is on the device, held there by the gate
     queued = asyncio.ensure_future(batcher.submit([[2], [3]], ["a", "a"], 10))
     await asyncio.sleep(0.05)
-    assert batcher.abandon("the drain ran out") == 3
+    batcher.abandon("the drain ran out")
     for request in (running, queued):
         with pytest.raises(Stopped, match="the drain ran out"):
             await asyncio.wait_for(request, 1)  # answered while the forward still runs

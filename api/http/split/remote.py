@@ -100,16 +100,15 @@ class ModelSideLink:
         assert isinstance(reply, Forwarded)
         return reply
 
-    def abandon(self, reason: str) -> int:
+    def abandon(self, reason: str) -> None:
         """Answers every call still waiting with Unavailable for `reason` now, and cancels it
-        on the model side (whose queue then drops its texts). Returns the calls answered."""
+        on the model side (whose queue then drops its texts)."""
         waiting, self.waiting = self.waiting, {}
         for number, reply in waiting.items():
             if not reply.done():
                 reply.set_exception(Unavailable(reason, RETRY_SOON_SECONDS))
                 if self.writer is not None:
                     self.calls.add(Cancel(number))
-        return len(waiting)
 
     async def close(self) -> None:
         if self.reading is not None:
@@ -234,9 +233,9 @@ class RemoteService(Lifecycle):
         self.settings = settings
         self.link = link
 
-    def abandon_unanswered(self, reason: str) -> int:
+    def abandon_unanswered(self, reason: str) -> None:
         """The calls still waiting for the model side answered 503 now (see the link)."""
-        return self.link.abandon(f"this front end stopped before answering: {reason}")
+        self.link.abandon(f"this front end stopped before answering: {reason}")
 
     async def classify(self, request: ClassifyRequest) -> Answer:
         """`request` scored by the model side, with the core's refusals."""
