@@ -35,10 +35,11 @@ docs: $(INSTALLED)
 
 # Debian's packages that the tests run for real (needs root or sudo): prometheus (and
 # promtool) for the observability tests, redis-server for the shared cache tier, haproxy for
-# the replicas behind a load balancer. Only the missing ones are installed.
+# the replicas behind a load balancer, wrk for the benchmarks' quick runs. Only the missing
+# ones are installed.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 TOOLS := $(VENV)/.tools
-TOOL_PACKAGES := prometheus redis-server haproxy
+TOOL_PACKAGES := prometheus redis-server haproxy wrk
 $(TOOLS): $(INSTALLED) Makefile
 	missing="$$(for p in $(TOOL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done)"; \
 	[ -z "$$missing" ] || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing)
