@@ -7,7 +7,9 @@ the raw model (bench.raw_model) in its own process. Each round starts that check
 and this checkout's afresh (`python -m api.cli`, caches off, as bench.throughput's "served")
 and measures the three at 32 clients, one text a request, in an order that rotates; the
 report gives each round's texts/s, each revision's served / raw, head / base, and the event
-loop's CPU per request of each server.
+loop's CPU per request of each server. After the rounds each revision's server is started
+once more and profiled by stage at 32 and at 64 clients (bench.stages, `--profile-seconds`;
+0 leaves it out): where each revision's CPU goes, before and after, in the same run.
 
 Why not two runs of bench.throughput: on a shared machine the raw model's own rate moves by
 a quarter between rounds minutes apart (measured here: 658 to 830 texts/s in one run), which
@@ -30,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import (
+    FRESH_LUA,
     REPO,
     REPORTS,
     WORK,
     RunningServer,
+    fresh_env,
     in_turn,
     machine_bullet,
     run_meta,
@@ -43,13 +47,19 @@ from bench.harness import (
     shown,
     stop_on_sigterm,
     wait_for_quiet,
+    warm_up,
     write_bodies,
+    write_literals,
     write_report,
 )
+from bench.stages import STAGES, profile
 from bench.threads import PY_SPY, per_thread_us, thread_cpu_seconds, thread_names
 from bench.throughput import CACHE_OFF, TARGET_CLIENTS, Config, RawModel, measure, raw_model
 
 ROUNDS = 5
+# Where the CPU goes, by stage, in each revision: profiled at these clients once the rounds
+# are done (bench.stages; profiled, a server runs slower, so the rounds give the rates).
+PROFILED_CLIENTS = (TARGET_CLIENTS, 64)
 CHECKOUTS = REPO / "bench" / "out" / "revisions"
 
 
@@ -162,7 +172,51 @@ def one_round(
     )
 
 
-def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> str:
+def profiles(
+    config: Config, code: dict[str, Path], texts: Path, seconds: float
+) -> dict[str, dict[str, Any]]:
+    """Each revision's server, started afresh, profiled by stage (bench.stages) over
+    `seconds` at each of PROFILED_CLIENTS, one fresh text a request; by `<name>@<clients>`."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, folder in code.items():
+        with server(f"profile-{name}", CACHE_OFF, config.threads, folder) as target:
+            for clients in PROFILED_CLIENTS:
+                warm_up(target.url, clients, [("", FRESH_LUA, fresh_env(texts))])
+                raw = WORK / f"profile-{name}-{clients}"
+                processes = {"": target.pid}
+                found[f"{name}@{clients}"] = profile(
+                    target.url, processes, seconds, texts, raw, clients
+                )
+        print(json.dumps({"profiled": name}), flush=True)
+    return found
+
+
+def stage_table(profiled: dict[str, dict[str, Any]]) -> list[str]:
+    """The CPU µs a request by stage of each profiled run, base beside head."""
+    keys = [f"{name}@{clients}" for clients in PROFILED_CLIENTS for name in ("base", "head")]
+    heads = [key.replace("@", ", ") + " clients" for key in keys]
+    lines = [
+        "| stage (CPU µs a request) | " + " | ".join(heads) + " |",
+        "|---|" + "---:|" * len(keys),
+    ]
+    for stage in STAGES:
+        cells = [profiled[key]["stages"].get(stage, {}).get("cpu_us_per_request") for key in keys]
+        if any(cells):
+            lines.append(f"| {stage} | " + " | ".join(shown_us(c) for c in cells) + " |")
+    total = [profiled[key]["server_cpu_us_per_request"] for key in keys]
+    rates = [profiled[key]["requests_per_s"] for key in keys]
+    lines.append("| **all** | " + " | ".join(f"**{shown_us(t)}**" for t in total) + " |")
+    lines.append("| requests/s, profiled | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
+    return lines
+
+
+def markdown(
+    meta: dict[str, Any],
+    found: list[Round],
+    base: str,
+    head: str,
+    profiled: dict[str, dict[str, Any]] | None = None,
+) -> str:
     m = meta["machine"]
     median = {
         name: statistics.median(getattr(r, name) for r in found)
@@ -210,6 +264,21 @@ def markdown(meta: dict[str, Any], found: list[Round], base: str, head: str) -> 
         "between batches.",
         "",
     ]
+    if profiled:
+        lines += [
+            "## Where the CPU goes, by stage",
+            "",
+            f"Each revision's server started afresh after the rounds and profiled by "
+            f"`py-spy record` ({meta['config']['profile_seconds']:g} s at each of "
+            f"{' and '.join(map(str, PROFILED_CLIENTS))} clients, one fresh text a request): "
+            "each thread's CPU time from /proc, shared out by its samples' stages "
+            "(bench/stages.py). The forward is `predictor` (its Python thread) and "
+            "`native threads` (torch's OpenMP team). Profiled, a server runs slower: the "
+            "rounds above give the rates.",
+            "",
+            *stage_table(profiled),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -221,7 +290,7 @@ def median_of(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def parse_args(argv: list[str] | None) -> tuple[Config, str, int]:
+def parse_args(argv: list[str] | None) -> tuple[Config, str, int, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the revision to compare against")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"default {ROUNDS}")
@@ -230,6 +299,12 @@ def parse_args(argv: list[str] | None) -> tuple[Config, str, int]:
     parser.add_argument("--threads", type=int, default=2, help="torch threads everywhere")
     parser.add_argument("--load-wait", type=float, default=900.0, help="seconds to wait")
     parser.add_argument("--out", type=Path, default=REPORTS, help="report folder")
+    parser.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=10.0,
+        help="seconds each revision is profiled at each of 32 and 64 clients (0: none)",
+    )
     args = parser.parse_args(argv)
     config = Config(
         concurrency=[TARGET_CLIENTS],
@@ -241,11 +316,11 @@ def parse_args(argv: list[str] | None) -> tuple[Config, str, int]:
         load_wait=args.load_wait,
         out=args.out,
     )
-    return config, args.base, args.rounds
+    return config, args.base, args.rounds, args.profile_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, base_revision, count = parse_args(argv)
+    config, base_revision, count, profile_seconds = parse_args(argv)
     if shutil.which("wrk") is None or shutil.which(PY_SPY) is None:
         print("wrk and py-spy are needed: `make bench-revisions` installs both", file=sys.stderr)
         return 2
@@ -256,19 +331,26 @@ def main(argv: list[str] | None = None) -> int:
     head = head_description()
     load = wait_for_quiet(config.load_wait)
     bodies = write_bodies(sample_texts(config.texts), WORK / "bodies.jsonl")
+    code = {"base": base_code, "head": REPO}
     with raw_model(config, bodies) as model:
-        found = rounds(config, {"base": base_code, "head": REPO}, model, bodies, count)
+        found = rounds(config, code, model, bodies, count)
         described = model.described
+    profiled: dict[str, dict[str, Any]] = {}
+    if profile_seconds > 0:
+        texts = write_literals(sample_texts(config.texts), WORK / "profile-texts.txt")
+        profiled = profiles(config, code, texts, profile_seconds)
     meta = run_meta(
         "bench.revisions", argv, load, "spam-minilm (as each revision ships it)", config, started
     )
-    text = markdown(meta, found, base, head)
+    meta["config"]["profile_seconds"] = profile_seconds
+    text = markdown(meta, found, base, head, profiled)
     data = {
         "meta": meta,
         "base": base,
         "head": head,
         "raw_model": described,
         "rounds": [{**asdict(r), "head_vs_base": r.head_vs_base} for r in found],
+        "profiles": profiled,
     }
     write_report(config.out, "revisions", data, text)
     print(f"written to {shown(config.out)}/ in {meta['run_seconds']} s")

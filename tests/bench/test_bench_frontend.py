@@ -1,7 +1,7 @@
-"""bench.frontend's profile folding (each py-spy stack goes to the stage of the code that
-called the library at its leaf, and samples are counted by stage and by thread) and its
-summary of the rounds (each route's rate against the same round's /health), and the waits
-(voluntary context switches) it reads from /proc."""
+"""bench.stages' profile folding (each py-spy stack goes to the stage of the code that
+called the library at its leaf, and samples are counted by stage and by thread), and
+bench.frontend's summary of the rounds (each route's rate against the same round's /health)
+and the waits (voluntary context switches) it reads from /proc."""
 
 from __future__ import annotations
 
@@ -13,22 +13,17 @@ from typing import Any
 import pytest
 
 from bench.frontend import (
-    ASGI,
     CACHED_ROUTE,
-    NATIVE,
-    QUEUE,
     SPLIT,
     SPLIT_PINNED,
     SPLIT_PINNED_SMALL_BATCHES,
     TARGET_P99_MS,
     TARGET_RATIO,
     LoadPoint,
-    cpu_by_stage,
-    fold,
     report,
-    stage_of,
     summary,
 )
+from bench.stages import ASGI, NATIVE, QUEUE, cpu_by_stage, fold, stage_of
 from bench.threads import thread_waits, waits_per_request
 
 SITE = "/venv/lib/python3.11/site-packages"
