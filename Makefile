@@ -117,7 +117,7 @@ bench-split-waits: $(BENCH_INSTALLED)
 bench-disk-tier: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.disk_tier
 
-## bench-revisions: served / raw of this checkout and revision BASE side by side (BASE=<rev>)
+## bench-revisions: served / raw of this checkout and revision BASE side by side, and each one's CPU by stage (BASE=<rev>)
 bench-revisions: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.revisions --base $(BASE)
 
