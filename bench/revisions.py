@@ -303,7 +303,8 @@ def parse_args(argv: list[str] | None) -> tuple[Config, str, int, float]:
         "--profile-seconds",
         type=float,
         default=10.0,
-        help="seconds each revision is profiled at each of 32 and 64 clients (0: none)",
+        help="seconds each revision is profiled at each of "
+        f"{' and '.join(map(str, PROFILED_CLIENTS))} clients (0: none)",
     )
     args = parser.parse_args(argv)
     config = Config(
