@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from api.allocator import restart_on_jemalloc
 from api.cpus import CpuPinningError, format_cpu_list, pin_process
 from api.observability import tracing
 from api.observability.logs import configure_logging, quiet_libraries
@@ -235,6 +236,8 @@ def serve(front_end: bool = False) -> int:
         logger.critical("loraserve: %s", exc)
         return EXIT_BAD_SETTINGS
     log_config = configure_logging(settings.log_level, settings.log_format)
+    if settings.memory_allocator == "jemalloc" and not front_end:
+        restart_on_jemalloc()  # returns only where it already runs on it, or none is installed
     from api.http.split.socket_claim import SocketInUse
     from api.models.spec import ModelsFileError
     from api.models.tokenizing import keep_tokenizers_serial

@@ -104,6 +104,12 @@ class Settings(BaseSettings):
         description="Intra-op threads for torch on CPU; unset uses every core (MODEL_CPUS's, "
         "when set).",
     )
+    memory_allocator: Literal["jemalloc", "system"] = Field(
+        "jemalloc",
+        description="The serving process's allocator: jemalloc (preloaded at start, where "
+        "installed; else the system's, with a warning) keeps a CPU forward's speed and the "
+        "heap flat as a server ages; system: glibc's.",
+    )
     warmup: bool = Field(
         True, description="Run the largest batches the batcher can form after loading."
     )
