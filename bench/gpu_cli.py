@@ -62,6 +62,15 @@ def tenths(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}"
 
 
+def device_named(meta: dict[str, Any]) -> str:
+    """The device a run's `meta` names, for its page: the GPU with its CUDA and driver, or
+    the device of a smoke run, said to be no GPU's figures."""
+    gpu_info = meta["gpu"]
+    if gpu_info:
+        return f"**{gpu_info['name']}** (CUDA {gpu_info['cuda']}, driver {gpu_info['driver']})"
+    return f"**{meta['device']}** (smoke run: not a GPU's figures)"
+
+
 def koelectra(work: Path, shapes: Shapes) -> tuple[str, Path, Path]:
     """The device to run on, and KoELECTRA's base and adapter built in `work` (random
     weights in `shapes`)."""

@@ -119,12 +119,7 @@ def run(plan: Plan, work: Path, smoke: bool) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     """The report's page: the device, then each replica count's load points."""
     meta, rows = report["meta"], report["rows"]
-    gpu_info = meta["gpu"]
-    device = (
-        f"**{gpu_info['name']}** (CUDA {gpu_info['cuda']}, driver {gpu_info['driver']})"
-        if gpu_info
-        else f"**{meta['device']}** (smoke run: not a GPU's figures)"
-    )
+    device = gpu_cli.device_named(meta)
     plan = meta["plan"]
     lines = [
         "# Replicas on one GPU: KoELECTRA, one text a request",
