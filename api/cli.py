@@ -28,7 +28,7 @@ from api.settings import Settings, SettingsError, load_settings
 # they are imported: imported in the functions, once the process's logging is set up, so
 # those lines come out in LOG_FORMAT too.
 if TYPE_CHECKING:
-    from api.http.split.child import FrontEndProcess
+    from api.http.split.child import FrontEnds
     from api.service.contract import Classifier
 
 logger = logging.getLogger(__name__)
@@ -46,36 +46,37 @@ class Server(uvicorn.Server):
     accepted finish (at most DRAIN_SECONDS); only then does uvicorn close its sockets. Plain
     uvicorn stops accepting at once and re-raises the signal, so the process ends with 143.
     A fatal device error drains the same way, then the process exits with EXIT_DEVICE_FAILED.
-    With SPLIT_FRONT_END its front end is signalled first and this process drains once it
-    has gone; a front end that dies on its own stops it with EXIT_FRONT_END_FAILED.
+    With SPLIT_FRONT_END its front ends are signalled first and this process drains once they
+    have gone; a front end that dies on its own stops it with EXIT_FRONT_END_FAILED.
     """
 
     service: Classifier | None = None
     fatal_error: BaseException | None = None
     drain_seconds: float = 10.0
-    front_end: FrontEndProcess | None = None  # SPLIT_FRONT_END's child, stopped first
+    front_ends: FrontEnds | None = None  # SPLIT_FRONT_END's children, stopped first
     _drain: asyncio.Task[None] | None = None
     _deferred_signal: int | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        front_end = self.front_end
-        if front_end is not None and not self.should_exit and front_end.exit_code() is None:
-            # The front end drains first: its requests in flight need these models to finish.
-            # This process goes on serving them, and drains once it has gone (on_tick).
-            if front_end.stopping and sig == signal.SIGINT:
-                front_end.kill_now()  # a second Ctrl-C stops without waiting
-            front_end.stop()
+        front_ends = self.front_ends
+        if front_ends is not None and not self.should_exit and not front_ends.all_exited():
+            # The front ends drain first: their requests in flight need these models to
+            # finish. This process goes on serving them, and drains once they have gone.
+            if front_ends.stopping and sig == signal.SIGINT:
+                front_ends.kill_now()  # a second Ctrl-C stops without waiting
+            front_ends.stop()
             self._deferred_signal = sig
             return
         self._exit_on(sig)
 
     async def on_tick(self, counter: int) -> bool:
-        front_end = self.front_end
-        if front_end is not None and not self.should_exit and self._drain is None:
-            front_end.kill_if_overdue()
-            code = front_end.exit_code()
-            if code is not None and self._deferred_signal is not None:
-                self._exit_on(self._deferred_signal)
+        front_ends = self.front_ends
+        if front_ends is not None and not self.should_exit and self._drain is None:
+            front_ends.kill_if_overdue()
+            code = front_ends.exited()
+            if self._deferred_signal is not None:
+                if front_ends.all_exited():
+                    self._exit_on(self._deferred_signal)
             elif code is not None:
                 from api.http.split.child import FrontEndExited
 
@@ -249,41 +250,55 @@ def serve(front_end: bool = False) -> int:
     if front_end and settings.split_socket is None:
         logger.critical("loraserve front-end: SPLIT_SOCKET is not set: the model side's socket")
         return EXIT_BAD_SETTINGS
+    listening = None
     if front_end:
-        from api.http.split.child import die_with_parent
+        from api.http.split.child import die_with_parent, inherited_listening_socket
 
         if not die_with_parent():
             logger.critical("loraserve front-end: the process that started it has gone")
             return EXIT_FRONT_END_FAILED
+        listening = inherited_listening_socket()
     with contextlib.ExitStack() as cleanup:
-        child = None
+        children = None
         uds = None
         if settings.split_front_end and not front_end:
-            # The split with one command: the models here, HTTP on HOST:PORT in a child; this
+            # The split with one command: the models here, HTTP on HOST:PORT in children; this
             # process's own HTTP on a socket beside the split's, for the operator alone.
-            from api.http.split.child import FrontEndProcess
+            from api.http.split.child import FrontEnds
 
-            folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="loraserve-split-"))
-            split_socket = settings.split_socket or Path(folder) / "model.sock"
+            folder = Path(
+                cleanup.enter_context(tempfile.TemporaryDirectory(prefix="loraserve-split-"))
+            )
+            split_socket = settings.split_socket or folder / "model.sock"
             settings = settings.model_copy(update={"split_socket": split_socket})
-            uds = Path(folder) / "model-http.sock"
-            child = FrontEndProcess(split_socket, settings.drain_seconds)
+            uds = folder / "model-http.sock"
+            address = (settings.host, settings.port)
+            try:
+                children = FrontEnds(
+                    split_socket,
+                    settings.drain_seconds,
+                    address,
+                    settings.front_ends,
+                    folder / "front-end-metrics",
+                )
+            except OSError as exc:
+                logger.critical("loraserve: cannot listen on %s:%d: %s", *address, exc)
+                return EXIT_BAD_SETTINGS
+            cleanup.callback(children.close)  # stopped, whatever they are doing, at the end
         try:
             tracing.configure()
             server = build_server(settings, log_config, front_end, uds)
         except (ModelsFileError, CascadeError, TracingConfigError, SocketInUse) as exc:
             logger.critical("loraserve: %s", exc)
             return EXIT_BAD_SETTINGS
-        server.front_end = child
+        server.front_ends = children
         try:
-            if child is not None:
-                child.start()  # before this process is pinned: a child inherits its CPUs
+            if children is not None:
+                children.start()  # before this process is pinned: a child inherits its CPUs
             if not pinned_as_set(settings, front_end):
                 return EXIT_BAD_SETTINGS
-            server.run()
+            server.run(sockets=None if listening is None else [listening])
         finally:
-            if child is not None:
-                child.close()
             tracing.shutdown()  # the spans still buffered go out before the process ends
     from api.http.split.child import FrontEndExited
 

@@ -127,8 +127,12 @@ class Metrics:
         self.requests_over_target = Counter(
             f"{p}_requests_over_target", "Requests slower than the target", ["route"], registry=r
         )
+        # Where several front ends share their metrics (FRONT_ENDS), the live ones' summed.
         self.requests_in_flight = Gauge(
-            f"{p}_requests_in_flight", "Requests being handled now", registry=r
+            f"{p}_requests_in_flight",
+            "Requests being handled now",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.rejections = Counter(
             f"{p}_rejections", "Requests refused, by reason", ["reason"], registry=r

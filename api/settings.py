@@ -184,6 +184,15 @@ class Settings(BaseSettings):
         "`loraserve front-end` on HOST:PORT as a child process (on SPLIT_SOCKET, or a socket "
         "of its own), stops it first on SIGTERM, and stops (exit 4) if it dies.",
     )
+    front_ends: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="With SPLIT_FRONT_END: how many front-end processes answer HOST:PORT "
+        "together, the kernel spreading the clients' connections over them. More than one "
+        "pays where HTTP, not the model, sets the pace: a GPU host with cores to spare "
+        "(docs/scaling.md).",
+    )
 
     # --- request limits ---
     max_texts_per_request: int = Field(32, ge=1, description="Most texts one request may carry.")
@@ -486,6 +495,15 @@ class Settings(BaseSettings):
                 "DISK_CACHE_SECRET_FILE lies inside DISK_CACHE_DIR: whoever can write that "
                 "folder could replace the key and choose the answers the disk tier serves. Put "
                 "it elsewhere (unset, it is <DISK_CACHE_DIR>.key, beside the folder)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _front_ends_of_the_split(self) -> Settings:
+        if self.front_ends > 1 and not self.split_front_end:
+            raise ValueError(
+                f"FRONT_ENDS={self.front_ends} needs SPLIT_FRONT_END=true: it counts the front "
+                "ends `loraserve` starts"
             )
         return self
 

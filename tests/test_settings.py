@@ -70,6 +70,16 @@ def test_invalid_settings_fail_naming_the_setting(
         load_settings()
 
 
+def test_several_front_ends_need_the_split_that_starts_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FRONT_ENDS", "2")
+    with pytest.raises(SettingsError, match="FRONT_ENDS=2 needs SPLIT_FRONT_END=true"):
+        load_settings()
+    monkeypatch.setenv("SPLIT_FRONT_END", "true")
+    assert load_settings().front_ends == 2
+
+
 def test_adapter_dir_overrides_the_default_adapter(tiny_bert: TinyModel, tmp_path: Path) -> None:
     models = write_models_file(tmp_path / "models.yaml", [entry(tiny_bert)])
     other = tiny_bert.adapters["promo"]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench import gpu_graphs, gpu_replicas, gpu_report
+from bench import gpu_front_ends, gpu_graphs, gpu_replicas, gpu_report
 from bench.gpu import BATCH_SIZES, REPORTS, SMOKE, main
 from bench.gpu_load import client_shares, load, metric_sums
 from bench.load_clients import CLIENTS_PER_PROCESS
@@ -126,6 +126,28 @@ def test_the_replicas_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) ->
     assert gpu_replicas.main(["--smoke", "--out", str(REPORTS)]) == 2
 
 
+@pytest.mark.timeout(300)
+def test_the_front_ends_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
+    """bench.gpu_front_ends on tiny shapes: one process, then the split with one and with two
+    front ends on one model side, every request answered; each front end and the model side
+    worked over the counted seconds; the forward's own rate timed once the servers stopped."""
+    report, markdown = smoke_run("gpu_front_ends", "gpu-front-ends", tmp_path, timeout=290)
+    rows = report["rows"]
+    assert [(row["front_ends"], row["clients"]) for row in rows] == [(0, 4), (1, 4), (2, 4)]
+    for row in rows:
+        assert set(row["statuses"]) == {"200"} and row["texts_per_s"] > 0
+        assert len(row["front_end_cores"]) == row["front_ends"]
+        assert all(cores > 0 for cores in row["front_end_cores"])  # each one got clients
+        assert row["model_cores"] > 0 and 0 < row["device_busy"] <= 1
+        assert row["mean_batch_texts"] >= 1 and row["mean_batch_ms"] > 0
+    forward = report["forward"]
+    assert forward["texts"] == 32 and forward["predictor_ms"] > 0
+    assert forward["texts_per_s"] == pytest.approx(32 * 1000 / forward["predictor_ms"])
+    assert gpu_front_ends.markdown(report) == markdown
+    assert "smoke run: not a GPU's figures" in markdown
+    assert gpu_front_ends.main(["--smoke", "--out", str(REPORTS)]) == 2
+
+
 def test_the_cuda_graphs_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
     """bench.gpu_graphs on tiny shapes: the forward both ways (here on the CPU, where no model
     records graphs, so both ways give the same logits), then a server started with
@@ -182,6 +204,15 @@ def test_the_committed_replicas_report_is_its_figures_rendered() -> None:
     assert figures["meta"]["device"] == "cuda" and not figures["meta"]["smoke"]
     expected = (REPORTS / "gpu-replicas.md").read_text(encoding="utf-8")
     assert gpu_replicas.markdown(figures) == expected
+
+
+def test_the_committed_front_ends_report_is_its_figures_rendered() -> None:
+    figures = json.loads((REPORTS / "gpu-front-ends.json").read_text(encoding="utf-8"))
+    assert figures["meta"]["device"] == "cuda" and not figures["meta"]["smoke"]
+    layouts = {(row["front_ends"], row["clients"]) for row in figures["rows"]}
+    assert layouts == {(n, c) for n in (0, 1, 2, 4) for c in (64, 256)}
+    expected = (REPORTS / "gpu-front-ends.md").read_text(encoding="utf-8")
+    assert gpu_front_ends.markdown(figures) == expected
 
 
 def test_the_committed_cuda_graphs_report_is_its_figures_rendered() -> None:

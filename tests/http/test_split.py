@@ -8,9 +8,11 @@ that dies answers 503 at once, and a new one on the same socket is picked up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -380,3 +382,68 @@ def test_a_front_end_that_overruns_its_stop_is_killed_when_the_tick_says_so(
     finally:
         process.kill()
         process.wait()
+
+
+def connections_on_port(pid: int, port: int) -> int:
+    """How many established TCP connections process `pid` holds on local `port`, from the
+    kernel's tables (/proc/<pid>/fd's socket inodes, /proc/net/tcp's rows)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = str(fd.readlink())
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].rsplit(":", 1)[1], 16)
+        established = fields[3] == "01"
+        if established and local_port == port and fields[9] in inodes:
+            count += 1
+    return count
+
+
+def test_several_front_ends_share_one_port_and_count_every_request_together(
+    tmp_path: Path,
+) -> None:
+    """FRONT_ENDS=2: two front ends, the clients' connections spread over both by the kernel,
+    and /metrics, whichever answers it, counts the requests of both."""
+    env = {**simulated_split_env(tmp_path, 0.0), "SPLIT_FRONT_END": "true", "FRONT_ENDS": "2"}
+    with run_server(env, tmp_path) as service:
+        service.wait_ready()
+        front_ends = children_of(service.process.pid)
+        assert len(front_ends) == 2
+        port = int(service.url.rsplit(":", 1)[1])
+        clients = [httpx.Client(base_url=service.url, timeout=30) for _ in range(16)]
+        try:
+            for number, client in enumerate(clients):
+                answered = client.post("/predict", json={"inputs": f"text {number}"})
+                assert answered.status_code == 200 and answered.headers["x-model"] == "sim"
+            # Each client keeps its connection: 2 ** -15 is the chance one front end has all.
+            held = [connections_on_port(pid, port) for pid in front_ends]
+            assert sum(held) == 16 and min(held) > 0
+        finally:
+            for client in clients:
+                client.close()
+        answered_200 = {"route": "/predict", "status": "200"}
+        for _ in range(4):  # on new connections: either front end answers, with both's count
+            metrics = httpx.get(f"{service.url}/metrics", timeout=10).text
+            assert exposition_sum(metrics, "loraserve_requests_total", **answered_200) == 16
+            assert exposition_sum(metrics, "loraserve_ready") == 1  # the model side's
+        assert service.stop(timeout=60) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in front_ends)
+
+
+def test_one_command_does_not_start_on_a_port_another_process_holds(tmp_path: Path) -> None:
+    """Even a holder that let others join its port (SO_REUSEPORT, this user's) is not joined:
+    its clients would reach a service that is not this one."""
+    env = {**simulated_split_env(tmp_path, 0.0), "SPLIT_FRONT_END": "true", "FRONT_ENDS": "2"}
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        env["PORT"] = str(holder.getsockname()[1])
+        with run_server(env, tmp_path) as service:
+            assert service.process.wait(timeout=60) == 2
+    assert "cannot listen on 127.0.0.1" in service.log()
+    assert "Address already in use" in service.log()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Metric, ProcessCollector
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from api import __version__
@@ -29,6 +31,7 @@ from api.http.errors import install_error_handlers, response_for
 from api.http.layers import install_middleware
 from api.http.routes import oip, tei
 from api.http.schemas import HealthResponse
+from api.http.split.child import METRICS_FOLDER_VARIABLE
 from api.http.split.remote import (
     ModelSideLink,
     ModelSideStalled,
@@ -69,7 +72,7 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     service = RemoteService(settings, link)
     metrics = service.metrics
     own_metrics = CollectorRegistry()
-    own_metrics.register(_Families(metrics.registry, REQUEST_FAMILIES))
+    own_metrics.register(_Families(request_metrics(metrics.registry), REQUEST_FAMILIES))
     ProcessCollector(namespace=f"{PREFIX}_front_end", registry=own_metrics)
 
     # Its imports are the service's (torch's included): frozen as the service's start-up is,
@@ -180,6 +183,18 @@ def create_front_end_app(settings: Settings) -> FastAPI:
     app.add_api_route("/{path:path}", forward, methods=FORWARD_METHODS, include_in_schema=False)
     install_middleware(app, service, classifying)
     return app
+
+
+def request_metrics(own: CollectorRegistry) -> CollectorRegistry:
+    """Where the request families are read: this process's `own` registry, or, where
+    several front ends answer one port (FRONT_ENDS), every front end's, summed from the files
+    in which each keeps its values (prometheus_client's multiprocess mode, which
+    PROMETHEUS_MULTIPROC_DIR turns on as the process starts)."""
+    if os.environ.get(METRICS_FOLDER_VARIABLE) is None:
+        return own
+    every_front_end = CollectorRegistry()
+    MultiProcessCollector(every_front_end)  # type: ignore[no-untyped-call]
+    return every_front_end
 
 
 class _Families(Collector):
