@@ -175,23 +175,20 @@ def listen_together(address: tuple[str, int], count: int) -> list[socket.socket]
     """`count` sockets listening on `address` in one SO_REUSEPORT group, after a bind
     without SO_REUSEPORT has found the port free: a port held by anyone else, even by a
     group of this user's that would let these join it, raises OSError."""
-    host, port = address
-    family, kind, proto, _, where = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    with socket.socket(family, kind, proto) as probe:
+    host = address[0]
+    # As uvicorn binds HOST: a name (localhost) is taken as IPv4, an IPv6 address as IPv6.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(where)
-        if port == 0:  # the OS's choice: the group takes the port it gave
-            where = probe.getsockname()
+        probe.bind(address)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            listening = socket.socket(family, kind, proto)
+            listening = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(listening)
             listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            listening.bind(where)
+            listening.bind(address)
             listening.listen(socket.SOMAXCONN)
     except OSError:
         for listening in sockets:
