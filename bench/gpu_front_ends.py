@@ -73,7 +73,7 @@ FULL = Plan(
 SMOKE = Plan(
     TINY,
     tokens=32,
-    front_ends=(ONE_PROCESS, 1, 2),
+    front_ends=(ONE_PROCESS, 2),
     clients=(4,),
     seconds=1.0,
     warmup=0.2,

@@ -128,16 +128,17 @@ def test_the_replicas_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) ->
 
 @pytest.mark.timeout(300)
 def test_the_front_ends_benchmark_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
-    """bench.gpu_front_ends on tiny shapes: one process, then the split with one and with two
-    front ends on one model side, every request answered; each front end and the model side
-    worked over the counted seconds; the forward's own rate timed once the servers stopped."""
+    """bench.gpu_front_ends on tiny shapes: one process, then the split with two front ends
+    on one model side, every request answered, the front ends and the model side at work
+    over the counted seconds; the forward's own rate timed once the servers stopped."""
     report, markdown = smoke_run("gpu_front_ends", "gpu-front-ends", tmp_path, timeout=290)
     rows = report["rows"]
-    assert [(row["front_ends"], row["clients"]) for row in rows] == [(0, 4), (1, 4), (2, 4)]
+    assert [(row["front_ends"], row["clients"]) for row in rows] == [(0, 4), (2, 4)]
     for row in rows:
         assert set(row["statuses"]) == {"200"} and row["texts_per_s"] > 0
         assert len(row["front_end_cores"]) == row["front_ends"]
-        assert all(cores > 0 for cores in row["front_end_cores"])  # each one got clients
+        # Which front end a connection reaches is the kernel's hash: 4 may all reach one.
+        assert row["front_ends"] == 0 or sum(row["front_end_cores"]) > 0
         assert row["model_cores"] > 0 and 0 < row["device_busy"] <= 1
         assert row["mean_batch_texts"] >= 1 and row["mean_batch_ms"] > 0
     forward = report["forward"]

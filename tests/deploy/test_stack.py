@@ -292,6 +292,12 @@ def test_api_runs_as_a_non_root_user(stack: Stack) -> None:
     assert uids == ["10001"] * 4, uids  # real, effective, saved, file system: not root
 
 
+def test_api_serves_on_jemalloc(stack: Stack) -> None:
+    """The image installs it, and loraserve (PID 1, started again on it) has it mapped."""
+    maps = stack.compose("exec", "api", "cat", "/proc/1/maps")
+    assert "libjemalloc" in maps
+
+
 def test_image_holds_the_cpu_build_of_torch(stack: Stack) -> None:
     versions = stack.docker(
         "run",
