@@ -73,11 +73,10 @@ class Server(uvicorn.Server):
         front_ends = self.front_ends
         if front_ends is not None and not self.should_exit and self._drain is None:
             front_ends.kill_if_overdue()
-            code = front_ends.exited()
             if self._deferred_signal is not None:
                 if front_ends.all_exited():
                     self._exit_on(self._deferred_signal)
-            elif code is not None:
+            elif (code := front_ends.exited()) is not None:
                 from api.http.split.child import FrontEndExited
 
                 self.fatal_error = FrontEndExited(f"the front end exited with {code}")
