@@ -348,14 +348,23 @@ class RawModel:
             found = {**self._measure_once(seconds, batchings), "attempts": 2}
         return found
 
-    def _measure_once(self, seconds: float, batchings: list[str]) -> dict[str, float]:
+    def ask(self, seconds: float, batchings: list[str]) -> None:
+        """Starts a measurement of each batching named; `answer` waits for its texts/s. Raw
+        models asked together run at once (one a replica, as replicas share a host)."""
         assert self._process.stdin is not None
-        cpu, busy = process_cpu_seconds(self._process.pid), busy_cpu_seconds()
-        start = time.monotonic()
         asked = {"seconds": seconds, "batchings": batchings}
         self._process.stdin.write(json.dumps(asked) + "\n")
         self._process.stdin.flush()
-        found = self._read()
+
+    def answer(self) -> dict[str, float]:
+        """Texts/s of each batching of the measurement `ask` started."""
+        return self._read()
+
+    def _measure_once(self, seconds: float, batchings: list[str]) -> dict[str, float]:
+        cpu, busy = process_cpu_seconds(self._process.pid), busy_cpu_seconds()
+        start = time.monotonic()
+        self.ask(seconds, batchings)
+        found = self.answer()
         wall = time.monotonic() - start
         mine = process_cpu_seconds(self._process.pid) - cpu
         found["other_cores"] = round(max(0.0, busy_cpu_seconds() - busy - mine) / wall, 2)
@@ -367,15 +376,29 @@ class RawModel:
 @contextmanager
 def raw_model(config: Config, bodies: Path) -> Iterator[RawModel]:
     """The raw model on the texts of `bodies`, loaded and ready, stopped when the block ends."""
-    env = {**os.environ, "TORCH_NUM_THREADS": str(config.threads), "LOG_LEVEL": "warning"}
+    with raw_model_process(config.threads, bodies, WORK / "raw-model.log") as model:
+        yield model
+
+
+@contextmanager
+def raw_model_process(
+    threads: int, bodies: Path, log: Path, env: dict[str, str] | None = None
+) -> Iterator[RawModel]:
+    """bench.raw_model with `threads` torch threads (and `env` over this one) on the texts of
+    `bodies`, loaded and ready, its errors in `log`, stopped when the block ends."""
+    full = {
+        **os.environ,
+        **(env or {}),
+        "TORCH_NUM_THREADS": str(threads),
+        "LOG_LEVEL": "warning",
+    }
     command = [sys.executable, "-m", "bench.raw_model", str(bodies), "--serve"]
-    command += ["--threads", str(config.threads)]
-    log = WORK / "raw-model.log"
+    command += ["--threads", str(threads)]
     with log.open("w") as sink:
         process = subprocess.Popen(
             command,
             cwd=REPO,
-            env=env,
+            env=full,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=sink,
