@@ -85,9 +85,9 @@ bench-load: $(BENCH_INSTALLED)
 bench-speed: $(BENCH_INSTALLED)
 	$(BIN)/python -m bench.speed_options
 
-## bench-throughput: the served model under 1-64 clients vs. a naive server and the raw model
+## bench-throughput: the served model (FORWARD_PROCESSES=2) under 1-64 clients vs. a naive server, one process and the raw model
 bench-throughput: $(BENCH_INSTALLED)
-	$(BIN)/python -m bench.throughput
+	$(BIN)/python -m bench.throughput --env FORWARD_PROCESSES=2 --variant-env FORWARD_PROCESSES=1
 
 ## bench-overload: 16 clients (saturated) and 128 sending 8 fresh texts a request, in turns (~3 min)
 bench-overload: $(BENCH_INSTALLED)

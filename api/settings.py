@@ -104,6 +104,16 @@ class Settings(BaseSettings):
         description="Intra-op threads for torch on CPU; unset uses every core (MODEL_CPUS's, "
         "when set).",
     )
+    forward_processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Processes each CPU model's batches run in, each holding the model with "
+        "torch on TORCH_NUM_THREADS / n threads: a batch is cut into parts the processes take "
+        "as they finish one (a batch under 8 texts runs in the serving process). The serving "
+        "process keeps its own copy too (n + 1 copies in memory). 1: every batch runs in the "
+        "serving process.",
+    )
     memory_allocator: Literal["jemalloc", "system"] = Field(
         "jemalloc",
         description="The serving process's allocator: jemalloc (preloaded at start, where "

@@ -111,6 +111,30 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and of every live process it started, and they
+    in turn (a server's forward processes: FORWARD_PROCESSES)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            after_name = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile
+        parents[int(stat.parent.name)] = int(after_name[1])
+    tree, grown = {pid}, True
+    while grown:
+        found = {child for child, parent in parents.items() if parent in tree}
+        grown = not found <= tree
+        tree |= found
+    total = 0.0
+    for member in tree:
+        try:
+            total += process_cpu_seconds(member)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def children_cpu_seconds() -> float:
     """CPU seconds of every finished child process (the wrk runs)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -38,7 +38,6 @@ from bench.harness import (
     machine,
     machine_line,
     out_folder,
-    process_cpu_seconds,
     quiet_start,
     run_head,
     sample_texts,
@@ -46,6 +45,7 @@ from bench.harness import (
     shown,
     stop_on_sigterm,
     targets_table,
+    tree_cpu_seconds,
     write_literals,
     write_report,
     wrk,
@@ -103,9 +103,9 @@ def fresh_texts_env(texts: Path) -> dict[str, str]:
 
 def timed_run(target: RunningServer, clients: int, seconds: float, texts: Path) -> LoadRun:
     """One wrk run, with the server's histogram and CPU time read around it."""
-    before, cpu = ok_latency_buckets(target.url), process_cpu_seconds(target.pid)
+    before, cpu = ok_latency_buckets(target.url), tree_cpu_seconds(target.pid)
     summary = wrk(target.url, clients, seconds, FRESH_LUA, fresh_texts_env(texts))
-    used = process_cpu_seconds(target.pid) - cpu
+    used = tree_cpu_seconds(target.pid) - cpu
     return load_run(clients, summary, before, ok_latency_buckets(target.url), used)
 
 

@@ -67,6 +67,7 @@ from bench.harness import (
     stop,
     stop_on_sigterm,
     targets_table,
+    tree_cpu_seconds,
     wait_for_quiet,
     write_bodies,
     write_report,
@@ -106,6 +107,8 @@ class Config:
     load_wait: float
     out: Path
     variant_env: dict[str, str] = field(default_factory=dict)  # empty: no variant system
+    # Settings of every server of the run (the variant's own go over them); empty: as shipped.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def rounds_config(description: str, name: str, texts: tuple[int, int]) -> Config:
@@ -251,9 +254,9 @@ def measure_once(
     if config.warmup > 0:
         run_wrk(target.url, clients, config.warmup, bodies)
     before = scrape(target.url)
-    cpu = (process_cpu_seconds(target.pid), children_cpu_seconds(), busy_cpu_seconds())
+    cpu = (tree_cpu_seconds(target.pid), children_cpu_seconds(), busy_cpu_seconds())
     summary = run_wrk(target.url, clients, config.duration, bodies)
-    cpu_after = (process_cpu_seconds(target.pid), children_cpu_seconds(), busy_cpu_seconds())
+    cpu_after = (tree_cpu_seconds(target.pid), children_cpu_seconds(), busy_cpu_seconds())
     after = scrape(target.url)
     return to_point(system, clients, summary, before, after, cpu, cpu_after)
 
@@ -305,9 +308,9 @@ def served_and_naive(
 ) -> tuple[list[Point], list[RawRound]]:
     """The servers up side by side; at each concurrency each runs, the order rotating. Then
     served and the raw model take turns (`raw_rounds`)."""
-    envs = {"served": CACHE_OFF, "naive": {**CACHE_OFF, **NAIVE}}
+    envs = {"served": {**CACHE_OFF, **config.env}, "naive": {**CACHE_OFF, **config.env, **NAIVE}}
     if config.variant_env:
-        envs["variant"] = {**CACHE_OFF, **config.variant_env}
+        envs["variant"] = {**CACHE_OFF, **config.env, **config.variant_env}
     points: list[Point] = []
     with ExitStack() as stack:
         systems = [
@@ -440,7 +443,7 @@ def cache_hit(config: Config, text: str) -> CacheHit:
     """The server as shipped (LRU on); one text sent once, then repeated: by one client for
     the time of a hit, then by TARGET_CLIENTS for the most hits a second."""
     single = write_bodies([text], WORK / "one-body.jsonl")
-    with server("cache", {}, config.threads) as target:
+    with server("cache", config.env, config.threads) as target:
         filled = httpx.post(f"{target.url}/predict", json={"inputs": text}, timeout=10)
         filled.raise_for_status()
         before = scrape(target.url)
@@ -473,7 +476,7 @@ def cache_hit(config: Config, text: str) -> CacheHit:
 
 def long_texts(config: Config, bodies: Path) -> Point:
     """Served at TARGET_CLIENTS on long texts (cache off), the server to itself."""
-    with server("long", CACHE_OFF, config.threads) as target:
+    with server("long", {**CACHE_OFF, **config.env}, config.threads) as target:
         point = measure("served-long", target, TARGET_CLIENTS, config, bodies)
     print(json.dumps(asdict(point)), flush=True)
     return point
@@ -672,7 +675,9 @@ def markdown(
         f"{config['duration']:g} s per point after a {config['warmup']:g} s warm-up; "
         "127.0.0.1 only.",
         f"- Model: {meta['model']}. Every server: `python -m api.cli` with "
-        "LRU_CACHE_ENTRIES=0, DISK_CACHE_MAX_BYTES=0; served keeps every other setting as "
+        "LRU_CACHE_ENTRIES=0, DISK_CACHE_MAX_BYTES=0"
+        + (f" and {env_text(config['env'])}" if config["env"] else "")
+        + "; served keeps every other setting as "
         f"shipped; naive adds {env_text(NAIVE)}"
         + (f"; variant adds {env_text(config['variant_env'])}" if config["variant_env"] else "")
         + ". They run side by side (an idle one costs nothing) and take turns at each "
@@ -686,7 +691,7 @@ def markdown(
         "",
         *(
             [
-                f"The same under the variant batcher ({env_text(config['variant_env'])}), "
+                f"The same with the variant's settings ({env_text(config['variant_env'])}), "
                 "in the same run:",
                 "",
                 *variant_table(points, raw),
@@ -851,6 +856,13 @@ def parse_args(argv: list[str] | None) -> Config:
         help=f"settings of the variant server (default {env_text(VARIANT)}); repeatable",
     )
     parser.add_argument("--no-variant", action="store_true", help="leave the variant server out")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of every server of the run (the variant's own go over it); repeatable",
+    )
     add_out(parser, quick_help="smoke run: 2 s points, 1 and 32 clients")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -869,6 +881,7 @@ def parse_args(argv: list[str] | None) -> Config:
         else dict(item.split("=", 1) for item in args.variant_env)
         if args.variant_env
         else VARIANT,
+        env=dict(item.split("=", 1) for item in args.env),
     )
 
 

@@ -8,6 +8,11 @@ from __future__ import annotations
 FATAL_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cudaerror")
 
 
+class ForwardProcessLost(RuntimeError):
+    """A model's forward process (api.models.forward_processes) exited, or stopped answering
+    as its serving process expects: the model forwards in its serving process from then."""
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch raises OutOfMemoryError on CUDA and a RuntimeError naming it on CPU."""
     return "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower()

@@ -49,7 +49,15 @@ logger = logging.getLogger(__name__)
 BUILD_LOCK = threading.Lock()
 
 # save_quantized: writing the pre-quantized checkpoint, at the first start only.
-PHASES = ("resolve", "weights", "quantize", "save_quantized", "adapters", "warmup")
+PHASES = (
+    "resolve",
+    "weights",
+    "quantize",
+    "save_quantized",
+    "adapters",
+    "warmup",
+    "forward_processes",
+)
 GIB = 1024**3
 
 

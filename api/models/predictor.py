@@ -9,12 +9,13 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from api.models.adapters import CheckedAdapter, attach_checked, detach
 from api.models.cuda_graphs import CudaGraphs
+from api.models.faults import ForwardProcessLost
 from api.models.loader import BUILD_LOCK, LoadedModel
 from api.models.packing import PackedRunner, PackingUnsupported, tolerance
 from api.models.tokenizing import TextEncoder
@@ -100,6 +101,23 @@ class BatchProbe:
     costs: tuple[tuple[int, float], ...]
 
 
+class SpreadForwards(Protocol):
+    """Where a model's batches run instead of in its own process, with the same answers
+    (api.models.forward_processes); a ForwardProcessLost when that can no longer be."""
+
+    def takes(self, rows: int) -> bool:
+        """Whether a batch of this many rows runs there (else here)."""
+        ...
+
+    def logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor: ...
+
+    def attach_adapter(self, name: str, checked: CheckedAdapter) -> None: ...
+
+    def detach_adapter(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Predictor:
     """Runs one loaded model. Not thread-safe: one batch at a time per model."""
 
@@ -124,6 +142,7 @@ class Predictor:
         # Set by the registry where BATCH_LOGIT_TOLERANCE finds this model's batches move a
         # text's logits: each text then runs as a batch of one, as `probe_batches` runs it.
         self.scores_alone = False
+        self._spread: SpreadForwards | None = None
 
     @property
     def packs_batches(self) -> bool:
@@ -278,7 +297,7 @@ class Predictor:
 
         A row whose scores are not all finite comes back as a NonFiniteScores error, alone.
         """
-        logits = self._logits(batch, adapters).float()
+        logits = self._served_logits(batch, adapters).float()
         if self._second_label_offset:
             logits[:, 1] -= self._second_label_offset
         probabilities = torch.sigmoid(logits) if self._sigmoid else torch.softmax(logits, dim=-1)
@@ -287,6 +306,44 @@ class Predictor:
             Scores(tuple(p), tuple(raw)) if ok else NonFiniteScores(raw)
             for p, raw, ok in zip(probabilities.tolist(), logits.tolist(), finite, strict=True)
         ]
+
+    @property
+    def spread(self) -> SpreadForwards | None:
+        """Where this model's batches run, if not here."""
+        return self._spread
+
+    def spread_over(self, spread: SpreadForwards) -> None:
+        """Runs the batches of `forward` in `spread` from now (the warm-up and the probes stay
+        here); they come back here for good if it is lost. Run it before the model serves."""
+        self._spread = spread
+
+    def stop_spreading(self) -> None:
+        """Runs every batch here again, and stops where they ran."""
+        spread, self._spread = self._spread, None
+        if spread is not None:
+            spread.close()
+
+    def logits_here(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
+        """The batch's logits from this process's own forward, wherever batches run."""
+        return self._logits(batch, adapters)
+
+    def probe_rows(self, lengths: list[int]) -> list[list[int]]:
+        """Rows of these lengths that the probes run (real tokens of the vocabulary)."""
+        return self._probe(lengths)
+
+    def _served_logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
+        if self._spread is not None and self._spread.takes(len(batch)):
+            try:
+                return self._spread.logits(batch, adapters)
+            except ForwardProcessLost as exc:
+                self._lose_spread(exc)
+        return self._logits(batch, adapters)
+
+    def _lose_spread(self, exc: ForwardProcessLost) -> None:
+        logger.error(
+            "%s; model %s forwards in its own process from now", exc, self.loaded.spec.name
+        )
+        self.stop_spreading()
 
     def probe_batches(self) -> BatchProbe:
         """A batch of probe texts of different lengths, then each of them alone, timed. Run it
@@ -324,6 +381,11 @@ class Predictor:
             finally:
                 self._active_adapter = None  # whatever peft made active, set it again
                 self._forget_graphs()
+        if self._spread is not None:
+            try:
+                self._spread.attach_adapter(name, checked)
+            except ForwardProcessLost as exc:
+                self._lose_spread(exc)
 
     def detach_adapter(self, name: str) -> None:
         """Removes the adapter `name`. Run it on the thread that serves, between batches."""
@@ -332,6 +394,11 @@ class Predictor:
         finally:
             self._active_adapter = None
             self._forget_graphs()
+        if self._spread is not None:
+            try:
+                self._spread.detach_adapter(name)
+            except ForwardProcessLost as exc:
+                self._lose_spread(exc)
 
     def _forget_graphs(self) -> None:
         """A graph replays the layers it was recorded with: peft has just rewired them."""

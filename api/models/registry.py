@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from api.models.convert.staging import sweep_stale_staging
+from api.models.faults import ForwardProcessLost
+from api.models.forward_processes import ForwardProcesses
 from api.models.loader import LoadedModel, load_model, timed
 from api.models.predictor import Predictor
 from api.models.simulated import SimulatedPredictor, load_simulated
@@ -134,11 +136,14 @@ class Registry:
             return self._device_threads[key]
 
     def close(self) -> None:
-        """Stops the device threads once their work is done."""
+        """Stops the device threads once their work is done, then the forward processes."""
         with self._lock:
             threads, self._device_threads = list(self._device_threads.values()), {}
+            models = list(self.models.values())
         for thread in threads:
             thread.shutdown(wait=True)
+        for served in models:  # no batch runs now: their forward processes can go
+            served.predictor.stop_spreading()
 
     def load_all(self) -> None:
         """Loads and warms every model; the first failure is raised (loaded in parallel, once
@@ -220,6 +225,11 @@ class Registry:
                     variance,
                     tolerance,
                 )
+            spread = self.settings.forward_processes
+            if spread > 1 and loaded.device.type == "cpu" and spec.simulated is None:
+                progress.state = "spreading"
+                warm_up = (self.settings.max_batch_size, batch_tokens)
+                self._spread(predictor, spread, warm_up if self.settings.warmup else None)
         except BaseException:
             progress.state, progress.finished = "failed", time.perf_counter()
             raise
@@ -236,6 +246,19 @@ class Registry:
             loaded.load_seconds,
             ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in loaded.phases.items()),
         )
+
+    def _spread(self, predictor: Predictor, count: int, warm_up: tuple[int, int] | None) -> None:
+        """The model's batches run in `count` forward processes from now, if they start and
+        agree with it; else here, saying why in the log."""
+        with timed(predictor.loaded.phases, "forward_processes"):
+            try:
+                processes = ForwardProcesses.start(predictor, self.settings, count, warm_up)
+            except ForwardProcessLost as exc:
+                logger.error(
+                    "%s; model %s forwards in its own process", exc, predictor.loaded.spec.name
+                )
+                return
+        predictor.spread_over(processes)
 
     def _predictor(self, spec: ModelSpec, held: dict[int | str, int] | None) -> Predictor:
         """The loaded model's predictor; a simulated one only where the models file says so."""
