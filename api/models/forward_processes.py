@@ -5,14 +5,15 @@ loop takes: torch's OpenMP team waits at every parallel region for a thread the 
 descheduled, and the forward takes the GIL back between ops, so each burst of the loop's work
 pauses it (bench/reports/measured_in_tests.md). With FORWARD_PROCESSES=n each CPU model is
 loaded again in n worker processes, torch on TORCH_NUM_THREADS / n threads in each; a batch is
-cut into n parts of about equal tokens, the parts run at once, one a worker, and their logits
-come back in the batch's order. A process taken off its core delays its own part only.
+cut into parts of about equal tokens, which the workers take as they finish one, and the
+logits come back in the batch's order. A process taken off its core delays its own part only.
 
-A text's logits do not depend on its batch-mates (api.models.packing), so the parts give
-what the whole batch gives. The workers must also give this process's own logits for the probe
-batch, to the bit, or the model forwards here instead. This process keeps its own copy: the
-warm-up and the probes run on it, adapters attach to it first, and it forwards again, with the
-same answers, if a worker fails or exits.
+Under per-token int8 a text's logits do not depend on its batch-mates (api.models.packing),
+so the parts give what the whole batch gives, to the bit; in float32 they move by rounding, as
+batching moves them in one process. The workers must also give this process's own logits for
+the probe batch, to the bit, or the model forwards here instead. This process keeps its own
+copy: the warm-up and the probes run on it, adapters attach to it first, a batch too small to
+cut runs on it, and it forwards again, with the same answers, if a worker fails or exits.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class ForwardProcesses:
         return processes
 
     def takes(self, rows: int) -> bool:
-        """A batch of this many rows runs here: it makes two parts at least."""
+        """A batch of this many rows runs in the workers: it makes two parts at least."""
         return rows >= 2 * ROWS_PER_PART
 
     def logits(self, batch: list[list[int]], adapters: list[str | None]) -> torch.Tensor:
