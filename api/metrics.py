@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
@@ -79,6 +81,38 @@ class GpuMemoryCollector(Collector):
             reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
         yield allocated
         yield reserved
+
+
+class ForwardProcessMemoryCollector(Collector):
+    """Resident memory of each model's forward processes (FORWARD_PROCESSES), read from /proc
+    at each scrape: `process_resident_memory_bytes` is the serving process's alone. Yields
+    nothing where no model has any."""
+
+    def __init__(self, pids_by_model: Callable[[], dict[str, list[int]]]) -> None:
+        self._pids_by_model = pids_by_model
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            f"{PREFIX}_forward_process_resident_memory_bytes",
+            "Resident memory of each forward process of a model",
+            labels=["model", "process"],
+        )
+        for model, pids in self._pids_by_model().items():
+            for index, pid in enumerate(pids):
+                resident = resident_bytes(pid)
+                if resident is not None:
+                    family.add_metric([model, str(index)], resident)
+        if family.samples:
+            yield family
+
+
+def resident_bytes(pid: int) -> int | None:
+    """A process's resident memory (/proc/<pid>/statm); None once it is gone."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 class Metrics:

@@ -267,6 +267,17 @@ class Registry:
             return SimulatedPredictor(load_simulated(spec), pad)
         return Predictor(load_model(spec, self.settings, held), pad)
 
+    def forward_process_pids(self) -> dict[str, list[int]]:
+        """The forward processes' pids of each model whose batches run in them."""
+        with self._lock:
+            models = list(self.models.values())
+        found = {}
+        for served in models:
+            spread = served.predictor.spread
+            if isinstance(spread, ForwardProcesses):
+                found[served.name] = [pid for pid in spread.pids if pid is not None]
+        return found
+
     def in_order(self) -> list[ServedModel]:
         """The loaded models, in declaration order."""
         return [self.models[spec.name] for spec in self.specs if spec.name in self.models]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from api.metrics import Metrics
+from api.metrics import ForwardProcessMemoryCollector, Metrics
 from api.models.predictor import NonFiniteScores, UnservableText
 from api.models.registry import Registry, UnknownName
 from api.models.spec import CandidateSpec, ModelSpec, load_models_file
@@ -101,6 +101,9 @@ class Service(Lifecycle):
         super().__init__(Metrics(settings.latency_target_seconds))
         self.settings = settings
         self.registry = Registry(specs, settings)
+        self.metrics.registry.register(
+            ForwardProcessMemoryCollector(self.registry.forward_process_pids)
+        )
         self.cascade_names = cascade_models(settings, specs)
         self.on_fatal = on_fatal
         self.follow_adapters_dir = follow_adapters_dir

@@ -17,6 +17,7 @@ from typing import cast
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.models.adapter_check import check_adapter
 from api.models.forward_processes import ForwardProcesses, split_by_tokens
@@ -263,6 +264,20 @@ def test_the_service_answers_the_same_with_its_batches_in_forward_processes(
             assert all(r.headers["X-Cache"].endswith("model=1") for r in responses[1:])
             answers.append([response.json() for response in responses])
             (model,) = client.get("/models").json()["models"]
-        # The app with two did run them: its start timed theirs.
+            resident = resident_by_process(client.get("/metrics").text)
+        # The app with two did run them: its start timed theirs, /metrics shows their memory.
         assert (model["load_seconds"]["forward_processes"] > 0) == (processes == 2)
+        assert sorted(resident) == (["0", "1"] if processes == 2 else [])
+        assert all(value > 10e6 for value in resident.values())  # a model and torch each
     assert answers[0] == answers[1]
+
+
+def resident_by_process(exposition: str) -> dict[str, float]:
+    """loraserve_forward_process_resident_memory_bytes of the model "tiny", by process."""
+    found = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name == "loraserve_forward_process_resident_memory_bytes":
+            for sample in family.samples:
+                assert sample.labels["model"] == "tiny"
+                found[sample.labels["process"]] = sample.value
+    return found
