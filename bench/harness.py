@@ -112,27 +112,15 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and of every live process it started, and they
-    in turn (a server's forward processes: FORWARD_PROCESSES)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            after_name = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # gone meanwhile
-        parents[int(stat.parent.name)] = int(after_name[1])
-    tree, grown = {pid}, True
-    while grown:
-        found = {child for child, parent in parents.items() if parent in tree}
-        grown = not found <= tree
-        tree |= found
-    total = 0.0
-    for member in tree:
-        try:
-            total += process_cpu_seconds(member)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
+    """User + system CPU seconds of a live process and of every live process it started, and
+    they in turn (a server's forward processes: FORWARD_PROCESSES)."""
+    try:
+        total = process_cpu_seconds(pid)
+        # A child is listed under the thread that started it, which need not be the main one.
+        listed = [path.read_text() for path in Path(f"/proc/{pid}/task").glob("*/children")]
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0  # gone meanwhile
+    return total + sum(tree_cpu_seconds(int(child)) for text in listed for child in text.split())
 
 
 def children_cpu_seconds() -> float:

@@ -110,9 +110,9 @@ class ForwardProcesses:
         return len(self._workers)
 
     @property
-    def pids(self) -> list[int | None]:
+    def pids(self) -> list[int]:
         """The workers' process ids."""
-        return [process.pid for process, _ in self._workers]
+        return [process.pid for process, _ in self._workers if process.pid is not None]
 
     @classmethod
     def start(

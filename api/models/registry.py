@@ -275,7 +275,7 @@ class Registry:
         for served in models:
             spread = served.predictor.spread
             if isinstance(spread, ForwardProcesses):
-                found[served.name] = [pid for pid in spread.pids if pid is not None]
+                found[served.name] = spread.pids
         return found
 
     def in_order(self) -> list[ServedModel]:

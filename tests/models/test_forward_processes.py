@@ -65,9 +65,8 @@ def test_where_a_batch_is_cut(
     assert split_by_tokens(lengths, parts) == expected
 
 
-def alive(pid: int | None) -> bool:
+def alive(pid: int) -> bool:
     """The process runs (a zombie, exited but not yet reaped, does not)."""
-    assert pid is not None
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -152,7 +151,7 @@ def test_a_lost_forward_process_leaves_the_batches_in_the_serving_process(
     _, predictor = spread
     pids = workers_of(predictor).pids
     assert all(alive(pid) for pid in pids)
-    os.kill(cast(int, pids[0]), signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
     wait_for(lambda: not alive(pids[0]), 10, "the killed worker gone")
     # A batch too small to cut runs here: the workers, lost one included, are not asked.
     predictor.forward(TEXT_IDS[:4], ["spam"] * 4)
